@@ -1,0 +1,50 @@
+"""Shared fixtures: tiny models, and a /dev/shm leak check around every test."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from vllm_omni_kv.testing.tiny_model import TinyModelSpec, write_tiny_model
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL_CACHE = Path(os.environ.get("OMNIKV_MODEL_CACHE", REPO / ".cache" / "tiny-models"))
+SHM_PREFIX = "omnikv"
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+def tiny_model(spec: TinyModelSpec | None = None) -> Path:
+    spec = spec or TinyModelSpec()
+    return write_tiny_model(MODEL_CACHE / f"llama-{spec.fingerprint()}", spec)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    """The default tiny model (2 layers, 2 KV heads, head size 64, fp32)."""
+    return tiny_model()
+
+
+def _our_segments() -> set[str]:
+    try:
+        return {n for n in os.listdir("/dev/shm") if n.startswith(SHM_PREFIX)}
+    except FileNotFoundError:
+        return set()
+
+
+@pytest.fixture(autouse=True)
+def no_shm_leaks():
+    """Every test must leave /dev/shm as it found it (our segments are named omnikv*)."""
+    before = _our_segments()
+    yield
+    leaked = _our_segments() - before
+    for name in leaked:  # clean up so one leak does not cascade into other tests
+        try:
+            os.unlink(os.path.join("/dev/shm", name))
+        except OSError:
+            pass
+    assert not leaked, f"test leaked shared-memory segments: {sorted(leaked)}"
