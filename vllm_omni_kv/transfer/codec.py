@@ -174,28 +174,39 @@ class Frame:
         h_end = PRELUDE_SIZE + len(self.header)
         mv[PRELUDE_SIZE:h_end] = self.header
         mv[h_end : self.data_start] = bytes(self.data_start - h_end)
+        # Hash each span right after writing it, while it is still in cache.
+        hasher = xxhash.xxh3_64() if checksum else None
+        hashed = PRELUDE_SIZE
         base = self.data_start
-        prev_end = 0
+        spans: list[tuple[int, int, Any]] = [
+            (off, nbytes, t) for t, (_d, _s, off, nbytes) in zip(self.tensors, self.tensor_table)
+        ]
+        spans += [(off, nbytes, b) for b, (off, nbytes) in zip(self.blobs, self.blob_table)]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            for t, (_dt, shape, off, nbytes) in zip(self.tensors, self.tensor_table):
-                if off > prev_end:
-                    mv[base + prev_end : base + off] = bytes(off - prev_end)
-                prev_end = off + nbytes
-                if nbytes == 0:
-                    continue
-                dst = torch.frombuffer(mv, dtype=torch.uint8, count=nbytes, offset=base + off)
-                _fill(t, dst.view(t.dtype).view(shape))
-        for b, (off, nbytes) in zip(self.blobs, self.blob_table):
-            if off > prev_end:
-                mv[base + prev_end : base + off] = bytes(off - prev_end)
-            mv[base + off : base + off + nbytes] = b
-            prev_end = off + nbytes
-        if self.data_len > prev_end:
-            mv[base + prev_end : base + self.data_len] = bytes(self.data_len - prev_end)
-        digest = xxhash.xxh3_64_intdigest(mv[PRELUDE_SIZE : self.nbytes]) if checksum else 0
+            for i, (off, nbytes, src) in enumerate(spans):
+                end = spans[i + 1][0] if i + 1 < len(spans) else self.data_len
+                if nbytes:
+                    if isinstance(src, memoryview):
+                        mv[base + off : base + off + nbytes] = src
+                    else:
+                        dst = torch.frombuffer(mv, dtype=torch.uint8, count=nbytes, offset=base + off)
+                        _fill(src, dst.view(src.dtype).view(self._shape(src)))
+                        del dst
+                if end > off + nbytes:
+                    mv[base + off + nbytes : base + end] = bytes(end - off - nbytes)
+                if hasher is not None:
+                    hasher.update(mv[hashed : base + end])
+                    hashed = base + end
+        if hasher is not None and hashed < self.nbytes:
+            hasher.update(mv[hashed : self.nbytes])
+        digest = hasher.intdigest() if hasher is not None else 0
         self._write_prelude(mv, CHECKSUM_XXH3 if checksum else CHECKSUM_NONE, digest)
         return self.nbytes
+
+    @staticmethod
+    def _shape(t: TensorLike) -> tuple[int, ...]:
+        return tuple(t.shape)
 
     def to_bytearray(self) -> bytearray:
         out = bytearray(self.nbytes)
@@ -241,7 +252,15 @@ def _fill(src: TensorLike, dst: torch.Tensor) -> None:
 
 
 def encode(obj: Any) -> Frame:
-    """Lay out ``obj`` as a frame (no bytes are copied until ``pack_into``)."""
+    """Lay out ``obj`` as a frame (no bytes are copied until ``pack_into``).
+
+    Accepts a ``Frame`` (returned as is), an object with ``to_dict()`` such as
+    ``KVCacheTransferData``, or any tree of tensors/bytes/plain values.
+    """
+    if isinstance(obj, Frame):
+        return obj
+    if hasattr(obj, "layer_blocks") and callable(getattr(obj, "to_dict", None)):
+        obj = obj.to_dict()
     return Frame(obj)
 
 
@@ -273,7 +292,7 @@ def parse_prelude(head: bytes | memoryview, available: int) -> tuple[int, int, i
         raise KVPayloadError(
             f"truncated frame: {available} bytes is shorter than the {PRELUDE_SIZE}-byte prelude"
         )
-    magic, version, alg, _flags, header_len, data_len, checksum = PRELUDE.unpack_from(head, 0)
+    magic, version, alg, flags, header_len, data_len, checksum = PRELUDE.unpack_from(head, 0)
     if magic != MAGIC:
         raise KVPayloadError(f"not a vllm-omni-kv frame: magic {magic!r}, expected {MAGIC!r}")
     if version != VERSION:
@@ -281,6 +300,8 @@ def parse_prelude(head: bytes | memoryview, available: int) -> tuple[int, int, i
             f"frame format version {version} is not supported (this build reads version "
             f"{VERSION}); upgrade vllm-omni-kv on both stages to the same release"
         )
+    if flags:
+        raise KVPayloadError(f"frame uses flags {flags:#x} that this build does not understand")
     if alg not in (CHECKSUM_NONE, CHECKSUM_XXH3):
         raise KVPayloadError(f"unknown checksum algorithm {alg}")
     if header_len > MAX_HEADER:
@@ -292,7 +313,12 @@ def parse_prelude(head: bytes | memoryview, available: int) -> tuple[int, int, i
 
 
 def _parse(
-    head: memoryview, available: int, *, verify: bool, region: Callable[[int], Any]
+    head: memoryview,
+    available: int,
+    *,
+    verify: bool,
+    region: Callable[[int], Any],
+    require_checksum: bool = True,
 ) -> _Parsed:
     """Validate a frame whose first bytes are ``head`` (at least through the header).
 
@@ -301,6 +327,11 @@ def _parse(
     alg, header_len, data_len, checksum, total = parse_prelude(head, available)
     if head.nbytes < PRELUDE_SIZE + header_len:
         raise KVPayloadError("truncated frame: header extends past the available bytes")
+    if verify and alg == CHECKSUM_NONE and require_checksum:
+        raise KVPayloadError(
+            "frame carries no checksum (it was packed on an accelerator); decode it with "
+            "from_bytes_device, or pass verify=False to accept it unverified"
+        )
     if verify and alg == CHECKSUM_XXH3:
         got = xxhash.xxh3_64_intdigest(region(total))
         if got != checksum:
@@ -440,7 +471,11 @@ def decode_tensor(t: torch.Tensor, *, verify: bool = True) -> Any:
     data_start = align_up(PRELUDE_SIZE + header_len)
     head = memoryview(t[:data_start].cpu().numpy().tobytes())
     p = _parse(
-        head, n, verify=verify, region=lambda total: t[PRELUDE_SIZE:total].cpu().numpy().tobytes()
+        head,
+        n,
+        verify=verify,
+        region=lambda total: t[PRELUDE_SIZE:total].cpu().numpy().tobytes(),
+        require_checksum=False,
     )
     views = [
         t[data_start + off : data_start + off + nb].view(dtype).view(shape)

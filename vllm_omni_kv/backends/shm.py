@@ -1,0 +1,214 @@
+"""``SharedMemoryConnector``: key-addressed POSIX shared memory on one host.
+
+Data path: the producer packs the frame straight into a pre-faulted segment of
+its arena (the only copy on its side) and publishes a small index entry under
+a name derived from the key; ``get`` claims the entry (exactly one reader
+wins) and returns the decoded object whose tensors are views of the
+producer's segment (no copy on the reader's side). The segment goes back to
+the producer when the last view is garbage collected. See
+:mod:`vllm_omni_kv.backends.shm_arena` for the file layout. Linux only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+from typing import Any
+
+from vllm_omni_kv.backends import shm_arena as arena
+from vllm_omni_kv.backends.base import OmniConnectorBase
+from vllm_omni_kv.errors import BackendUnavailable, ConfigError, KVTransferError
+from vllm_omni_kv.logger import init_logger
+from vllm_omni_kv.transfer import codec
+
+logger = init_logger(__name__)
+
+
+def index_name(namespace: str, from_stage: str, to_stage: str, key: str) -> str:
+    """The index-entry name for ``key`` on the edge ``from_stage -> to_stage``."""
+    ident = "\0".join((namespace, str(from_stage), str(to_stage), str(key)))
+    return arena.IDX_PREFIX + hashlib.blake2b(ident.encode(), digest_size=16).hexdigest()
+
+
+def _key_matches(request_id: str, key: str) -> bool:
+    return key == request_id or key.startswith(request_id + "_") or key.endswith("_" + request_id)
+
+
+class SharedMemoryConnector(OmniConnectorBase):
+    """Key-addressed local shared-memory connector.
+
+    Config keys (all optional): ``shm_threshold_bytes`` (payloads smaller than
+    this skip the arena and travel inside the index entry and the returned
+    metadata; default 65536), ``namespace`` (isolates deployments sharing a
+    host; default ``"default"``), ``pool_max_bytes`` (arena size a producer may
+    keep mapped; larger payloads use one-off segments; default 1 GiB),
+    ``ttl_seconds`` (an unconsumed entry older than this is removed by its
+    producer; default 600), ``verify`` (check checksums on get; default True).
+    Remote-transport metadata (``source_host``...) is ignored: lookups are by key.
+    """
+
+    supports_raw_data = False
+
+    def __init__(self, config: dict[str, Any] | None = None) -> None:
+        self._closed = True  # until fully constructed
+        self.config = dict(config or {})
+        if not os.path.isdir(arena.SHM_DIR):
+            raise BackendUnavailable(
+                f"SharedMemoryConnector needs POSIX shared memory at {arena.SHM_DIR} (Linux); "
+                "use a network backend (mooncake) on this platform"
+            )
+        try:
+            self.threshold = int(self.config.get("shm_threshold_bytes", 65536))
+            self.ttl = float(self.config.get("ttl_seconds", 600.0))
+            pool_max = int(self.config.get("pool_max_bytes", 1 << 30))
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"SharedMemoryConnector: bad numeric setting: {e}") from None
+        if self.threshold < 0 or self.ttl <= 0 or pool_max < 0:
+            raise ConfigError(
+                "SharedMemoryConnector: shm_threshold_bytes and pool_max_bytes must be >= 0 "
+                "and ttl_seconds > 0"
+            )
+        self.namespace = str(self.config.get("namespace", "default"))
+        self.verify = bool(self.config.get("verify", True))
+        self.stage_id = self.config.get("stage_id", -1)
+        self.device = self.config.get("device", "cpu")
+        self._arena = arena.ProducerArena(
+            pool_max, populate=bool(self.config.get("populate", True))
+        )
+        self._maps = arena.ConsumerMaps()
+        self._lock = threading.Lock()
+        # index entries this process published and nobody claimed yet: name -> (key, time)
+        self._owned: dict[str, tuple[str, float]] = {}
+        self._last_sweep = 0.0
+        self._stats = {"puts": 0, "gets": 0, "misses": 0, "bytes_put": 0, "bytes_got": 0}
+        swept = arena.sweep_orphans()
+        if swept:
+            logger.info("removed %d shared-memory files left by exited processes", len(swept))
+        self._closed = False
+
+    # -- producer ----------------------------------------------------------------------
+    def put(
+        self, from_stage: str, to_stage: str, put_key: str, data: Any
+    ) -> tuple[bool, int, dict[str, Any] | None]:
+        """Publish ``data`` under ``put_key``; returns ``(True, size, metadata)``."""
+        self._check_open()
+        self._expire_old()
+        name = index_name(self.namespace, from_stage, to_stage, put_key)
+        if os.path.exists(os.path.join(arena.SHM_DIR, name)):
+            raise KVTransferError(
+                f"key {put_key!r} on edge {from_stage}->{to_stage} is already published and "
+                "unconsumed; use a unique key per transfer or cleanup() the old one"
+            )
+        size, inline = arena.publish(self._arena, name, codec.encode(data), self.threshold)
+        with self._lock:
+            self._owned[name] = (put_key, time.monotonic())
+            self._stats["puts"] += 1
+            self._stats["bytes_put"] += size
+        meta: dict[str, Any] = {"key": put_key, "size": size}
+        if inline is not None:
+            meta["inline"] = inline
+        return True, size, meta
+
+    # -- consumer ----------------------------------------------------------------------
+    def get(
+        self,
+        from_stage: str,
+        to_stage: str,
+        get_key: str,
+        metadata: dict[str, Any] | None = None,
+    ) -> tuple[Any, int] | None:
+        """Claim and decode the entry for ``get_key``; None when it is not there (yet).
+
+        Raises ``KVPayloadError`` when the payload is corrupt and
+        ``KVTransferError`` when its producer vanished: a retry cannot succeed.
+        """
+        self._check_open()
+        name = index_name(self.namespace, from_stage, to_stage, get_key)
+        entry = arena.claim_index(name)
+        if entry is None:
+            with self._lock:
+                self._stats["misses"] += 1
+            return None
+        with self._lock:
+            self._owned.pop(name, None)
+        obj, size = arena.read_entry(entry, self._maps, verify=self.verify)
+        with self._lock:
+            self._stats["gets"] += 1
+            self._stats["bytes_got"] += size
+        return obj, size
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def _expire_old(self) -> None:
+        now = time.monotonic()
+        if now - self._last_sweep < 1.0:
+            return
+        self._last_sweep = now
+        self._prune_claimed()
+        with self._lock:
+            stale = [n for n, (_k, t) in self._owned.items() if now - t > self.ttl]
+        for n in stale:
+            self._discard(n, reason=f"unconsumed after {self.ttl:.0f}s")
+
+    def _discard(self, name: str, reason: str = "") -> None:
+        """Withdraw an unconsumed entry and hand its segment back to the arena."""
+        with self._lock:
+            self._owned.pop(name, None)
+        entry = arena.claim_index(name)
+        if entry is None:
+            return  # a reader got it first
+        if reason:
+            logger.warning("withdrew shared-memory entry %s: %s", name, reason)
+        try:
+            obj = arena.read_entry(entry, self._maps, verify=False)
+            del obj  # dropping the views returns the segment to the arena
+        except Exception:  # corrupt or already recycled: nothing left to free
+            pass
+
+    def cleanup(self, request_id: str) -> None:
+        """Withdraw this process's unconsumed entries whose key is, starts or ends with ``request_id``."""
+        with self._lock:
+            names = [n for n, (k, _t) in self._owned.items() if _key_matches(request_id, k)]
+        for n in names:
+            self._discard(n)
+
+    def close(self) -> None:
+        """Withdraw unconsumed entries and unlink the arena; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:
+            names = list(self._owned)
+            self._owned.clear()
+        for n in names:
+            arena.unlink_quiet(n)
+        self._maps.close()
+        self._arena.close()
+
+    def _prune_claimed(self) -> None:
+        """Forget entries a reader in another process has claimed since."""
+        with self._lock:
+            names = list(self._owned)
+        gone = [n for n in names if not os.path.exists(os.path.join(arena.SHM_DIR, n))]
+        with self._lock:
+            for n in gone:
+                self._owned.pop(n, None)
+
+    def health(self) -> dict[str, Any]:
+        self._prune_claimed()
+        with self._lock:
+            stats = dict(self._stats)
+            owned = len(self._owned)
+        return {
+            "status": "closed" if self._closed else "healthy",
+            "backend": "shm",
+            "namespace": self.namespace,
+            "unconsumed": owned,
+            "arena_bytes": self._arena.total_bytes,
+            **stats,
+        }
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise KVTransferError("SharedMemoryConnector is closed; create a new one")

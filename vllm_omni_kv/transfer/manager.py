@@ -1,0 +1,488 @@
+"""``OmniKVTransferManager``: connector lifecycle, KV extraction, send with retry,
+receive with timeout, for vLLM and vLLM-free stages alike."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from vllm_omni_kv.backends.base import OmniConnectorBase
+from vllm_omni_kv.backends.factory import OmniConnectorFactory
+from vllm_omni_kv.errors import BackendUnavailable, ConfigError, KVPayloadError, OmniKVError
+from vllm_omni_kv.logger import init_logger
+from vllm_omni_kv.transfer import distributed
+from vllm_omni_kv.transfer.config import ConnectorSpec
+from vllm_omni_kv.transfer.extract import extract_request_kv
+from vllm_omni_kv.transfer.kv_utils import (
+    KVTPTopology,
+    LayerKV,
+    build_rank_aware_recv_keys,
+    build_rank_aware_send_keys,
+    get_local_tp_rank,
+    kv_zmq_port,
+    merge_received_rank_shards,
+    slice_received_rank_shard,
+    validate_kv_tp_topology,
+)
+from vllm_omni_kv.transfer.payload import KVCacheTransferData
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class OmniKVCacheConfig:
+    """Configuration for :class:`OmniKVTransferManager`.
+
+    ``local_rank`` (beyond the reference) pins this process's TP rank; by
+    default it comes from vLLM's TP group (0 outside vLLM). ``send_retries``
+    and ``retry_backoff`` bound the send retry loop.
+    """
+
+    connector_config: dict[str, Any] | None = None
+    from_stage: str | None = None
+    to_stage: str | None = None
+    stage_id: str | int | None = None
+    engine_input_source: list[str | int] | None = None
+    need_recv_cache: bool = False
+    need_send_cache: bool = False
+    recv_timeout: float = 30.0
+    from_tp: int = 1
+    to_tp: int = 1
+    local_rank: int | None = None
+    send_retries: int = 3
+    retry_backoff: float = 0.05
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.recv_timeout, (int, float)) or self.recv_timeout <= 0:
+            raise ConfigError(f"recv_timeout must be a positive number, got {self.recv_timeout!r}")
+        for name in ("from_tp", "to_tp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"rank_mapping.{name} must be an int >= 1, got {value!r}")
+        if self.send_retries < 1:
+            raise ConfigError(f"send_retries must be >= 1, got {self.send_retries}")
+        if self.connector_config is not None and not isinstance(self.connector_config, dict):
+            raise ConfigError("connector_config must be a mapping with a 'type' (backend name)")
+
+
+def _get(obj: Any, key: str, default: Any = None) -> Any:
+    if isinstance(obj, dict):
+        return obj.get(key, default)
+    return getattr(obj, key, default)
+
+
+def _config_from_omni_dict(kv: Any, stage_id: Any = None) -> OmniKVCacheConfig:
+    rank_mapping = _get(kv, "rank_mapping") or {}
+    return OmniKVCacheConfig(
+        connector_config=_get(kv, "connector_config"),
+        from_stage=_opt_str(_get(kv, "omni_from_stage")),
+        to_stage=_opt_str(_get(kv, "omni_to_stage")),
+        stage_id=_get(kv, "stage_id", stage_id),
+        engine_input_source=_get(kv, "engine_input_source"),
+        need_send_cache=bool(_get(kv, "need_send_cache", False)),
+        need_recv_cache=bool(_get(kv, "need_recv_cache", False)),
+        recv_timeout=float(_get(kv, "recv_timeout", 30.0)),
+        from_tp=int(_get(rank_mapping, "from_tp", 1)),
+        to_tp=int(_get(rank_mapping, "to_tp", 1)),
+        local_rank=_get(kv, "local_rank"),
+    )
+
+
+def _opt_str(v: Any) -> str | None:
+    return None if v is None else str(v)
+
+
+class OmniKVTransferManager:
+    """Unified management of an omni connector and the KV transfers through it."""
+
+    def __init__(self, config: OmniKVCacheConfig) -> None:
+        self.config = config
+        self.kv_send_key_builder: Callable | None = None
+        self.kv_recv_key_builder: Callable | None = None
+        self.kv_payload_merger: Callable | None = None
+        self.kv_payload_slicer: Callable | None = None
+        self._connector: OmniConnectorBase | None = None
+        self.connector_error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._sender_base: tuple[str, int] | None = None
+        recv_from = config.engine_input_source[0] if config.engine_input_source else config.from_stage
+        if config.need_recv_cache and recv_from is not None and config.stage_id is not None:
+            self.recv_stages: tuple[str | None, str | None] = (str(recv_from), str(config.stage_id))
+        elif recv_from is not None and config.to_stage is not None and config.need_recv_cache:
+            self.recv_stages = (str(recv_from), str(config.to_stage))
+        else:
+            self.recv_stages = (None, None)
+        if config.from_stage and config.to_stage:
+            self.send_stages: tuple[str | None, str | None] = (config.from_stage, config.to_stage)
+        else:
+            self.send_stages = (None, None)
+
+    # -- construction --------------------------------------------------------------------
+    @classmethod
+    def from_od_config(cls, config: Any) -> OmniKVTransferManager:
+        """Create from a stage config carrying ``omni_kv_config`` (model or OmniDiffusion config)."""
+        kv = _get(config, "omni_kv_config")
+        if kv is None:
+            return cls(OmniKVCacheConfig())
+        return cls(_config_from_omni_dict(kv, stage_id=_get(config, "stage_id")))
+
+    from_model_config = from_od_config
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config: Any, model_config: Any) -> OmniKVTransferManager:
+        """Create from ``model_config.omni_kv_config``, else from ``kv_transfer_config``'s
+        ``kv_connector_extra_config`` (``omni_connector_config`` plus the stage keys)."""
+        if model_config is not None and _get(model_config, "omni_kv_config") is not None:
+            return cls.from_od_config(model_config)
+        ktc = _get(vllm_config, "kv_transfer_config")
+        extra = dict(_get(ktc, "kv_connector_extra_config") or {}) if ktc is not None else {}
+        if "omni_connector_config" not in extra:
+            return cls(OmniKVCacheConfig())
+        kv = {**extra, "connector_config": extra["omni_connector_config"]}
+        role = _get(ktc, "kv_role")
+        kv.setdefault("need_send_cache", role in ("kv_producer", "kv_both"))
+        kv.setdefault("need_recv_cache", role in ("kv_consumer", "kv_both"))
+        return cls(_config_from_omni_dict(kv))
+
+    # -- connector lifecycle ---------------------------------------------------------------
+    @property
+    def connector(self) -> OmniConnectorBase:
+        """The connector, created on first use. A failed start is logged once and re-raised."""
+        if self._connector is not None:
+            return self._connector
+        with self._lock:
+            if self._connector is not None:
+                return self._connector
+            if self.connector_error is not None:
+                raise BackendUnavailable(
+                    f"the KV connector failed to start earlier: {self.connector_error}"
+                ) from self.connector_error
+            cc = self.config.connector_config
+            if not cc:
+                raise ConfigError(
+                    "no connector configured: set connector_config={'type': 'SharedMemoryConnector', ...}"
+                )
+            cc = dict(cc)
+            name = cc.pop("type", None) or cc.pop("name", None)
+            if not name:
+                raise ConfigError("connector_config.type is missing (e.g. 'SharedMemoryConnector')")
+            try:
+                self._connector = OmniConnectorFactory.create_connector(ConnectorSpec(str(name), cc))
+            except Exception as e:
+                self.connector_error = e
+                logger.error("KV connector %s failed to start: %s", name, e)
+                raise
+            if self._sender_base is not None:
+                self._push_sender_info()
+            return self._connector
+
+    get_connector = property(lambda self: self.connector)
+
+    def close(self) -> None:
+        """Close the connector if it was created; idempotent."""
+        with self._lock:
+            conn, self._connector = self._connector, None
+        if conn is not None:
+            conn.close()
+
+    def __enter__(self) -> OmniKVTransferManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- topology ---------------------------------------------------------------------------
+    @property
+    def local_rank(self) -> int:
+        return self.config.local_rank if self.config.local_rank is not None else get_local_tp_rank()
+
+    def topology(self, *, sending: bool) -> KVTPTopology:
+        topo = KVTPTopology(
+            source_tp_size=self.config.from_tp,
+            target_tp_size=self.config.to_tp,
+            local_rank=self.local_rank,
+        )
+        validate_kv_tp_topology(topo)
+        return topo
+
+    # -- send side --------------------------------------------------------------------------
+    def extract_kv_cache(
+        self,
+        request_id: str,
+        block_ids: list[int],
+        seq_len: int,
+        kv_caches: list[LayerKV],
+        block_size: int,
+        cache_dtype: str,
+        *,
+        lazy: bool = False,
+    ) -> KVCacheTransferData:
+        """Extract one request's KV from paged blocks as ``[seq_len, heads, dim]`` per layer."""
+        meta = {
+            "block_size": int(block_size),
+            "cache_dtype": str(cache_dtype),
+            "from_stage": self.send_stages[0],
+            "from_rank": self.local_rank,
+            "from_tp": self.config.from_tp,
+            "to_tp": self.config.to_tp,
+        }
+        return extract_request_kv(request_id, block_ids, seq_len, kv_caches, metadata=meta, lazy=lazy)
+
+    def send_kv_cache(self, request_id: str, data: KVCacheTransferData | Any) -> bool:
+        """Send ``data`` to every target rank's key, retrying with backoff; True when all succeeded."""
+        from_stage, to_stage = self.send_stages
+        if from_stage is None or to_stage is None:
+            raise ConfigError("sending needs omni_from_stage and omni_to_stage in the config")
+        keys = build_rank_aware_send_keys(
+            request_id, from_stage, to_stage, self.topology(sending=True), self.kv_send_key_builder
+        )
+        conn = self.connector
+        return all(self._put_with_retry(conn, from_stage, to_stage, k, data) for k in keys)
+
+    def _put_with_retry(
+        self, conn: OmniConnectorBase, from_stage: str, to_stage: str, key: str, data: Any
+    ) -> bool:
+        delay = self.config.retry_backoff
+        for attempt in range(1, self.config.send_retries + 1):
+            try:
+                ok, size, _meta = conn.put(from_stage, to_stage, key, data)
+                if ok:
+                    logger.debug("sent KV %s (%d bytes, attempt %d)", key, size, attempt)
+                    return True
+                reason = "connector returned failure"
+            except KVPayloadError:
+                raise  # the payload itself is bad: retrying cannot help
+            except Exception as e:
+                reason = f"{type(e).__name__}: {e}"
+            if attempt < self.config.send_retries:
+                logger.warning("sending KV %s failed (%s); retry %d in %.2fs", key, reason, attempt, delay)
+                time.sleep(delay * (1 + random.random() * 0.1))
+                delay *= 2
+            else:
+                logger.error("sending KV %s failed after %d attempts: %s", key, attempt, reason)
+        return False
+
+    def handle_finished_requests_kv_transfer(
+        self,
+        finished_reqs: dict[str, dict[str, Any]],
+        kv_caches: list[LayerKV],
+        block_size: int,
+        cache_dtype: str,
+        request_id_resolver: Callable[[str], str] | None = None,
+    ) -> list[str]:
+        """Extract and send KV for finished requests; return the ids that were really sent.
+
+        ``finished_reqs`` maps request id to ``{"block_ids": [...], "seq_len": n}``.
+        """
+        if not self.config.need_send_cache or not finished_reqs:
+            return []
+        sent: list[str] = []
+        for req_id, info in finished_reqs.items():
+            try:
+                block_ids = list(info["block_ids"])
+                seq_len = int(info.get("seq_len") or len(block_ids) * block_size)
+                tx_id = request_id_resolver(req_id) if request_id_resolver else req_id
+                data = self.extract_kv_cache(
+                    tx_id, block_ids, seq_len, kv_caches, block_size, cache_dtype, lazy=True
+                )
+                if self.send_kv_cache(tx_id, data):
+                    sent.append(req_id)
+            except OmniKVError as e:
+                logger.error("KV transfer of request %s failed: %s", req_id, e)
+            except (KeyError, TypeError, ValueError) as e:
+                logger.error("KV transfer of request %s skipped: bad request info (%s)", req_id, e)
+        return sent
+
+    # -- receive side -----------------------------------------------------------------------
+    def update_sender_info(
+        self, sender_info: dict[str, Any], sender_stage_id: str | int | None = None
+    ) -> None:
+        """Record the sender's host and rank-0 ZMQ port (offset per TP rank on use)."""
+        info = sender_info
+        if sender_stage_id is not None and isinstance(sender_info.get(sender_stage_id), dict):
+            info = sender_info[sender_stage_id]
+        elif sender_stage_id is not None and isinstance(sender_info.get(str(sender_stage_id)), dict):
+            info = sender_info[str(sender_stage_id)]
+        host = info.get("host") or info.get("sender_host")
+        port = info.get("zmq_port") or info.get("sender_zmq_port") or info.get("port")
+        if not host or port is None:
+            raise ConfigError(f"sender_info needs 'host' and 'zmq_port', got keys {sorted(info)}")
+        self._sender_base = (str(host), int(port))
+        if self._connector is not None:
+            self._push_sender_info()
+
+    def _rank_port(self, rank: int) -> int:
+        assert self._sender_base is not None
+        return self._sender_base[1] + kv_zmq_port(0, 0, rank, 0) - kv_zmq_port(0, 0, 0, 0)
+
+    def _push_sender_info(self) -> None:
+        conn = self._connector
+        if conn is None or self._sender_base is None or not hasattr(conn, "update_sender_info"):
+            return
+        topo = self.topology(sending=False)
+        rank = self.local_rank if not topo.is_heterogeneous else 0
+        conn.update_sender_info(self._sender_base[0], self._rank_port(rank))
+
+    def _rank_metadata(self, from_rank: int | None) -> dict[str, Any] | None:
+        if from_rank is None or self._sender_base is None:
+            return None
+        return {"source_host": self._sender_base[0], "source_port": self._rank_port(from_rank)}
+
+    def _poll(self, from_stage: str, to_stage: str, key: str, meta: Any, deadline: float) -> Any:
+        conn = self.connector
+        delay = 0.0005
+        while True:
+            got = conn.get(from_stage, to_stage, key, meta)
+            if got is not None:
+                return got
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            time.sleep(min(delay, remaining))
+            delay = min(delay * 2, 0.02)
+
+    def receive_kv_cache_for_request(
+        self, request_id: str, target_device: torch.device | None = None
+    ) -> tuple[dict[str, Any] | None, int]:
+        """Receive (and merge/slice for heterogeneous TP) one request's KV; ``(None, 0)`` on timeout.
+
+        Corrupt payloads raise ``KVPayloadError``: waiting longer cannot fix them.
+        """
+        from_stage, to_stage = self.recv_stages
+        if from_stage is None or to_stage is None:
+            raise ConfigError(
+                "receiving needs need_recv_cache, a source stage (engine_input_source or "
+                "omni_from_stage) and stage_id"
+            )
+        topo = self.topology(sending=False)
+        keys = build_rank_aware_recv_keys(
+            request_id, from_stage, to_stage, topo, self.kv_recv_key_builder
+        )
+        deadline = time.monotonic() + float(self.config.recv_timeout)
+        payloads: list[dict[str, Any]] = []
+        total = 0
+        for key, from_rank in keys:
+            got = self._poll(from_stage, to_stage, key, self._rank_metadata(from_rank), deadline)
+            if got is None:
+                logger.warning(
+                    "no KV for request %s (key %s) within %.1fs", request_id, key, self.config.recv_timeout
+                )
+                return None, 0
+            obj, size = got
+            payloads.append(obj)
+            total += size
+        data: dict[str, Any] | None
+        if len(payloads) > 1:
+            data = merge_received_rank_shards(payloads, merger=self.kv_payload_merger)
+        else:
+            data = payloads[0]
+        if topo.target_tp_size > topo.source_tp_size:
+            data = slice_received_rank_shard(data, topo, slicer=self.kv_payload_slicer)
+        if data is not None and target_device is not None:
+            data = _to_device(data, target_device)
+        return data, total
+
+    def receive_kv_cache(self, req: Any, target_device: torch.device | None = None) -> bool:
+        """Receive KV for ``req.request_id`` and attach it to ``req`` (legacy interface)."""
+        try:
+            data, _size = self.receive_kv_cache_for_request(str(req.request_id), target_device)
+        except OmniKVError as e:
+            logger.error("receiving KV for request %s failed: %s", getattr(req, "request_id", "?"), e)
+            return False
+        if data is None:
+            return False
+        self.apply_kv_cache_to_request(req, data)
+        return True
+
+    def apply_kv_cache_to_request(self, req: Any, data: dict[str, Any]) -> None:
+        """Attach received KV to ``req``.
+
+        Sets ``req.past_key_values`` (with ``key_cache``/``value_cache`` lists of
+        ``[seq, heads, dim]`` tensors) and ``req.kv_metadata``; mirrors both onto
+        ``req.sampling_params`` when the request has one.
+        """
+        blocks = data.get("layer_blocks", {})
+        pkv = SimpleNamespace(
+            key_cache=blocks.get("key_cache", []),
+            value_cache=blocks.get("value_cache", []),
+            request_id=data.get("request_id"),
+            block_ids=data.get("block_ids", []),
+        )
+        meta = data.get("metadata", {})
+        for target in (req, getattr(req, "sampling_params", None)):
+            if target is None:
+                continue
+            target.past_key_values = pkv
+            target.kv_metadata = meta
+
+    def receive_multi_kv_cache(
+        self,
+        req: Any,
+        cfg_kv_collect_func: Callable | None = None,
+        target_device: torch.device | None = None,
+    ) -> bool:
+        """Receive the primary KV, then CFG companions through ``cfg_kv_collect_func``."""
+        ok, extras = self._receive_primary_and_companions(req, cfg_kv_collect_func, target_device)
+        if ok and extras:
+            _attach_extras(req, extras)
+        return ok
+
+    def _receive_primary_and_companions(
+        self, req: Any, func: Callable | None, target_device: torch.device | None
+    ) -> tuple[bool, dict[str, Any]]:
+        if not self.receive_kv_cache(req, target_device):
+            return False, {}
+        cfg_ids = _cfg_request_ids(req)
+        if not cfg_ids or func is None:
+            return True, {}
+        try:
+            extras = func(str(req.request_id), cfg_ids, self, target_device) or {}
+        except OmniKVError as e:
+            logger.error("collecting CFG companion KV for %s failed: %s", req.request_id, e)
+            extras = {}
+        return True, dict(extras)
+
+    def receive_multi_kv_cache_distributed(
+        self,
+        req: Any,
+        cfg_kv_collect_func: Callable | None = None,
+        target_device: torch.device | None = None,
+        *,
+        tp_size: int | None = None,
+    ) -> bool:
+        """TP-aware wrapper of :meth:`receive_multi_kv_cache` (see :mod:`.distributed`)."""
+        return distributed.receive_multi_distributed(
+            self, req, cfg_kv_collect_func, target_device, tp_size=tp_size
+        )
+
+
+def _cfg_request_ids(req: Any) -> list[str] | None:
+    for src in (req, getattr(req, "sampling_params", None)):
+        ids = getattr(src, "cfg_kv_request_ids", None) if src is not None else None
+        if ids:
+            return [str(i) for i in ids]
+    return None
+
+
+def _attach_extras(req: Any, extras: dict[str, Any]) -> None:
+    target = getattr(req, "sampling_params", None) or req
+    for k, v in extras.items():
+        setattr(target, k, v)
+
+
+def _to_device(data: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    blocks = {
+        name: [t.to(device) if isinstance(t, torch.Tensor) else t for t in layers]
+        if isinstance(layers, list)
+        else layers
+        for name, layers in data.get("layer_blocks", {}).items()
+    }
+    return {**data, "layer_blocks": blocks}
