@@ -7,13 +7,17 @@ import torch
 LAYERS, HEADS, BS, DIM, NBLOCKS = 3, 4, 32, 64, 12
 
 
-def cpu_layout_cache(layer: int, heads: int = HEADS, seed: int = 0, dtype=torch.bfloat16) -> torch.Tensor:
+def cpu_layout_cache(
+    layer: int, heads: int = HEADS, seed: int = 0, dtype=torch.bfloat16
+) -> torch.Tensor:
     """A vLLM 0.32 CPU-backend cache: [num_blocks, heads, block_size, 2*head_dim]."""
     g = torch.Generator().manual_seed(seed * 1000 + layer)
     return torch.randn(NBLOCKS, heads, BS, 2 * DIM, generator=g).to(dtype)
 
 
-def reference_kv(cache: torch.Tensor, block_ids: list[int], seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_kv(
+    cache: torch.Tensor, block_ids: list[int], seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-by-token extraction with explicit loops (independent of the code under test)."""
     nb, heads, bs, two_d = cache.shape
     d = two_d // 2

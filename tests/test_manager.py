@@ -27,7 +27,16 @@ BLOCKS = [7, 2, 9, 4, 0, 11]
 SEQ = 150  # 4 full blocks of 32 + a partial one
 
 
-def _omni_cfg(ns: str, *, send: bool, from_tp: int = 1, to_tp: int = 1, rank: int = 0, timeout: float = 20.0, **kw):
+def _omni_cfg(
+    ns: str,
+    *,
+    send: bool,
+    from_tp: int = 1,
+    to_tp: int = 1,
+    rank: int = 0,
+    timeout: float = 20.0,
+    **kw,
+):
     kv = {
         "connector_config": {"type": "SharedMemoryConnector", "namespace": ns},
         "omni_from_stage": "0",
@@ -87,7 +96,9 @@ class _Flaky(SharedMemoryConnector):
         return super().put(from_stage, to_stage, put_key, data)
 
 
-@pytest.mark.parametrize(("failures", "retries", "expect"), [(2, 3, True), (3, 3, False), (0, 1, True)])
+@pytest.mark.parametrize(
+    ("failures", "retries", "expect"), [(2, 3, True), (3, 3, False), (0, 1, True)]
+)
 def test_send_with_retry(ns, failures, retries, expect):
     OmniConnectorFactory.register_connector("FlakyShm", _Flaky)
     _Flaky.failures[ns] = failures
@@ -97,7 +108,9 @@ def test_send_with_retry(ns, failures, retries, expect):
     mgr.config.send_retries = retries
     mgr.config.retry_backoff = 0.001
     caches = [cpu_layout_cache(i) for i in range(LAYERS)]
-    sent = mgr.handle_finished_requests_kv_transfer({"r": {"block_ids": BLOCKS, "seq_len": SEQ}}, caches, BS, "auto")
+    sent = mgr.handle_finished_requests_kv_transfer(
+        {"r": {"block_ids": BLOCKS, "seq_len": SEQ}}, caches, BS, "auto"
+    )
     assert sent == (["r"] if expect else [])
     mgr.close()
 
@@ -129,7 +142,10 @@ def test_handle_finished_reports_only_really_sent(ns):
 
 def test_connector_start_failure_is_surfaced_and_logged_once(ns, caplog):
     cfg = _omni_cfg(ns, send=True)
-    cfg.omni_kv_config["connector_config"] = {"type": "SharedMemoryConnector", "ttl_seconds": "soon"}
+    cfg.omni_kv_config["connector_config"] = {
+        "type": "SharedMemoryConnector",
+        "ttl_seconds": "soon",
+    }
     mgr = OmniKVTransferManager.from_od_config(cfg)
     with caplog.at_level(logging.ERROR):
         with pytest.raises(ConfigError, match="bad numeric"):
@@ -139,13 +155,20 @@ def test_connector_start_failure_is_surfaced_and_logged_once(ns, caplog):
     assert isinstance(mgr.connector_error, ConfigError)
     assert sum("failed to start" in r.getMessage() for r in caplog.records) == 1
     caches = [cpu_layout_cache(i) for i in range(LAYERS)]
-    assert mgr.handle_finished_requests_kv_transfer({"r": {"block_ids": BLOCKS, "seq_len": SEQ}}, caches, BS, "auto") == []
+    assert (
+        mgr.handle_finished_requests_kv_transfer(
+            {"r": {"block_ids": BLOCKS, "seq_len": SEQ}}, caches, BS, "auto"
+        )
+        == []
+    )
 
 
 def test_unknown_backend_names_the_choices(ns):
     cfg = _omni_cfg(ns, send=True)
     cfg.omni_kv_config["connector_config"] = {"type": "NoSuchThing"}
-    with pytest.raises(ConfigError, match="unknown omni connector 'NoSuchThing'.*SharedMemoryConnector"):
+    with pytest.raises(
+        ConfigError, match="unknown omni connector 'NoSuchThing'.*SharedMemoryConnector"
+    ):
         _ = OmniKVTransferManager.from_od_config(cfg).connector
 
 
@@ -153,7 +176,9 @@ def test_config_validation_names_the_field():
     with pytest.raises(ConfigError, match="recv_timeout"):
         OmniKVCacheConfig(recv_timeout=-1)
     with pytest.raises(ConfigError, match="from_tp"):
-        OmniKVTransferManager.from_od_config(SimpleNamespace(omni_kv_config={"rank_mapping": {"from_tp": 0}}))
+        OmniKVTransferManager.from_od_config(
+            SimpleNamespace(omni_kv_config={"rank_mapping": {"from_tp": 0}})
+        )
 
 
 def test_from_vllm_config_falls_back_to_kv_transfer_config(ns):
@@ -167,16 +192,22 @@ def test_from_vllm_config_falls_back_to_kv_transfer_config(ns):
             "recv_timeout": 3,
         },
     )
-    mgr = OmniKVTransferManager.from_vllm_config(SimpleNamespace(kv_transfer_config=ktc), SimpleNamespace())
+    mgr = OmniKVTransferManager.from_vllm_config(
+        SimpleNamespace(kv_transfer_config=ktc), SimpleNamespace()
+    )
     assert mgr.config.need_recv_cache and not mgr.config.need_send_cache
     assert mgr.recv_stages == ("ar", "dit") and mgr.config.recv_timeout == 3
     # model_config.omni_kv_config wins when present
-    mgr2 = OmniKVTransferManager.from_vllm_config(SimpleNamespace(kv_transfer_config=ktc), _omni_cfg(ns, send=True))
+    mgr2 = OmniKVTransferManager.from_vllm_config(
+        SimpleNamespace(kv_transfer_config=ktc), _omni_cfg(ns, send=True)
+    )
     assert mgr2.send_stages == ("0", "1")
 
 
 def test_update_sender_info_offsets_port_per_rank(ns):
-    mgr = OmniKVTransferManager.from_od_config(_omni_cfg(ns, send=False, from_tp=2, to_tp=2, rank=1))
+    mgr = OmniKVTransferManager.from_od_config(
+        _omni_cfg(ns, send=False, from_tp=2, to_tp=2, rank=1)
+    )
     mgr.update_sender_info({"1": {"host": "10.0.0.5", "zmq_port": 50100}}, sender_stage_id=1)
     assert mgr._rank_metadata(1) == {"source_host": "10.0.0.5", "source_port": 50116}
     assert mgr._rank_metadata(None) is None
@@ -188,8 +219,12 @@ def test_update_sender_info_offsets_port_per_rank(ns):
 
 
 def _producer(ns, rank, from_tp, to_tp, req_ids, heads_total, ready, done):
-    mgr = OmniKVTransferManager.from_od_config(_omni_cfg(ns, send=True, from_tp=from_tp, to_tp=to_tp, rank=rank))
-    caches = [head_shard(cpu_layout_cache(i, heads=heads_total), rank, from_tp) for i in range(LAYERS)]
+    mgr = OmniKVTransferManager.from_od_config(
+        _omni_cfg(ns, send=True, from_tp=from_tp, to_tp=to_tp, rank=rank)
+    )
+    caches = [
+        head_shard(cpu_layout_cache(i, heads=heads_total), rank, from_tp) for i in range(LAYERS)
+    ]
     finished = {r: {"block_ids": BLOCKS, "seq_len": SEQ} for r in req_ids}
     sent = mgr.handle_finished_requests_kv_transfer(finished, caches, BS, "auto")
     ready.put(sent)
@@ -199,7 +234,9 @@ def _producer(ns, rank, from_tp, to_tp, req_ids, heads_total, ready, done):
 
 def _consumer(ns, rank, from_tp, to_tp, req_id, heads_total, out):
     try:
-        mgr = OmniKVTransferManager.from_od_config(_omni_cfg(ns, send=False, from_tp=from_tp, to_tp=to_tp, rank=rank))
+        mgr = OmniKVTransferManager.from_od_config(
+            _omni_cfg(ns, send=False, from_tp=from_tp, to_tp=to_tp, rank=rank)
+        )
         data, size = mgr.receive_kv_cache_for_request(req_id)
         if data is None:
             out.put((rank, "timeout"))
@@ -208,7 +245,10 @@ def _consumer(ns, rank, from_tp, to_tp, req_id, heads_total, out):
         ok = True
         for i in range(LAYERS):
             k_ref, v_ref = reference_kv(cpu_layout_cache(i, heads=heads_total), BLOCKS, SEQ)
-            k_ref, v_ref = k_ref[:, rank * per : (rank + 1) * per], v_ref[:, rank * per : (rank + 1) * per]
+            k_ref, v_ref = (
+                k_ref[:, rank * per : (rank + 1) * per],
+                v_ref[:, rank * per : (rank + 1) * per],
+            )
             k, v = data["layer_blocks"]["key_cache"][i], data["layer_blocks"]["value_cache"][i]
             ok &= k.shape == k_ref.shape and torch.equal(k, k_ref) and torch.equal(v, v_ref)
         out.put((rank, "ok" if ok else f"mismatch shape={tuple(k.shape)} size={size}"))
@@ -224,7 +264,10 @@ def _run_topology(ns, from_tp, to_tp, heads_total=HEADS, req="req_x"):
         CTX.Process(target=_producer, args=(ns, r, from_tp, to_tp, [req], heads_total, ready, done))
         for r in range(from_tp)
     ]
-    procs += [CTX.Process(target=_consumer, args=(ns, r, from_tp, to_tp, req, heads_total, out)) for r in range(to_tp)]
+    procs += [
+        CTX.Process(target=_consumer, args=(ns, r, from_tp, to_tp, req, heads_total, out))
+        for r in range(to_tp)
+    ]
     for p in procs:
         p.start()
     try:
@@ -256,14 +299,24 @@ def test_receive_multi_kv_cache_with_cfg_companions(ns):
     prod = OmniKVTransferManager.from_od_config(_omni_cfg(ns, send=True))
     caches = [cpu_layout_cache(i) for i in range(LAYERS)]
     neg = [cpu_layout_cache(i, seed=5) for i in range(LAYERS)]
-    assert prod.handle_finished_requests_kv_transfer({"p": {"block_ids": BLOCKS, "seq_len": SEQ}}, caches, BS, "auto")
-    assert prod.handle_finished_requests_kv_transfer({"p-neg": {"block_ids": BLOCKS, "seq_len": 40}}, neg, BS, "auto")
+    assert prod.handle_finished_requests_kv_transfer(
+        {"p": {"block_ids": BLOCKS, "seq_len": SEQ}}, caches, BS, "auto"
+    )
+    assert prod.handle_finished_requests_kv_transfer(
+        {"p-neg": {"block_ids": BLOCKS, "seq_len": 40}}, neg, BS, "auto"
+    )
     cons = OmniKVTransferManager.from_od_config(_omni_cfg(ns, send=False, timeout=5))
 
     def collect(request_id, cfg_ids, manager, device):
-        return {"cfg_kv_caches": {i: manager.receive_kv_cache_for_request(i, device)[0] for i in cfg_ids}}
+        return {
+            "cfg_kv_caches": {
+                i: manager.receive_kv_cache_for_request(i, device)[0] for i in cfg_ids
+            }
+        }
 
-    req = SimpleNamespace(request_id="p", sampling_params=SimpleNamespace(cfg_kv_request_ids=["p-neg"]))
+    req = SimpleNamespace(
+        request_id="p", sampling_params=SimpleNamespace(cfg_kv_request_ids=["p-neg"])
+    )
     assert cons.receive_multi_kv_cache(req, collect)
     k_ref, _ = reference_kv(caches[0], BLOCKS, SEQ)
     assert torch.equal(req.past_key_values.key_cache[0], k_ref)
@@ -280,14 +333,25 @@ def test_receive_multi_kv_cache_with_cfg_companions(ns):
 
 def _dist_worker(ns, rank, world, tp, port, out):
     try:
-        torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        torch.distributed.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+        )
         tp_rank = rank % tp
-        mgr = OmniKVTransferManager.from_od_config(_omni_cfg(ns, send=False, from_tp=tp, to_tp=tp, rank=tp_rank, timeout=30))
+        mgr = OmniKVTransferManager.from_od_config(
+            _omni_cfg(ns, send=False, from_tp=tp, to_tp=tp, rank=tp_rank, timeout=30)
+        )
 
         def collect(request_id, cfg_ids, manager, device):
-            return {"neg_seq": [int(manager.receive_kv_cache_for_request(i)[0]["metadata"]["seq_len"]) for i in cfg_ids]}
+            return {
+                "neg_seq": [
+                    int(manager.receive_kv_cache_for_request(i)[0]["metadata"]["seq_len"])
+                    for i in cfg_ids
+                ]
+            }
 
-        req = SimpleNamespace(request_id="d", sampling_params=SimpleNamespace(cfg_kv_request_ids=["d-neg"]))
+        req = SimpleNamespace(
+            request_id="d", sampling_params=SimpleNamespace(cfg_kv_request_ids=["d-neg"])
+        )
         ok = mgr.receive_multi_kv_cache_distributed(req, collect, tp_size=tp)
         per = 8 // tp
         k_ref, _ = reference_kv(cpu_layout_cache(1, heads=8), BLOCKS, SEQ)
@@ -302,20 +366,29 @@ def _dist_worker(ns, rank, world, tp, port, out):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("world", "tp"), [(2, 1), (2, 2), (4, 2)], ids=["tp-inactive", "tp-only", "tp-and-cfg"])
+@pytest.mark.parametrize(
+    ("world", "tp"), [(2, 1), (2, 2), (4, 2)], ids=["tp-inactive", "tp-only", "tp-and-cfg"]
+)
 def test_receive_multi_kv_cache_distributed(ns, world, tp):
     from vllm_omni_kv.testing.net import free_port
 
     # The producer (this process) publishes exactly one key per receiving TP rank.
     producers = [
-        OmniKVTransferManager.from_od_config(_omni_cfg(ns, send=True, from_tp=tp, to_tp=tp, rank=r)) for r in range(tp)
+        OmniKVTransferManager.from_od_config(_omni_cfg(ns, send=True, from_tp=tp, to_tp=tp, rank=r))
+        for r in range(tp)
     ]
     for r, prod in enumerate(producers):
         caches = [head_shard(cpu_layout_cache(i, heads=8), r, tp) for i in range(LAYERS)]
-        assert prod.handle_finished_requests_kv_transfer({"d": {"block_ids": BLOCKS, "seq_len": SEQ}}, caches, BS, "auto")
-        assert prod.handle_finished_requests_kv_transfer({"d-neg": {"block_ids": BLOCKS, "seq_len": 33}}, caches, BS, "auto")
+        assert prod.handle_finished_requests_kv_transfer(
+            {"d": {"block_ids": BLOCKS, "seq_len": SEQ}}, caches, BS, "auto"
+        )
+        assert prod.handle_finished_requests_kv_transfer(
+            {"d-neg": {"block_ids": BLOCKS, "seq_len": 33}}, caches, BS, "auto"
+        )
     out, port = CTX.Queue(), free_port()
-    procs = [CTX.Process(target=_dist_worker, args=(ns, r, world, tp, port, out)) for r in range(world)]
+    procs = [
+        CTX.Process(target=_dist_worker, args=(ns, r, world, tp, port, out)) for r in range(world)
+    ]
     for p in procs:
         p.start()
     try:

@@ -22,7 +22,10 @@ def _kv(seq: int = 37, heads: int = 4, dim: int = 64, layers: int = 3, dtype=tor
     keys[1] = None  # a layer that is not transferred
     vals[1] = None
     return KVCacheTransferData(
-        "req-1_a", {"key_cache": keys, "value_cache": vals}, [4, 9, 2], {"seq_len": seq, "x": [1, "a"]}
+        "req-1_a",
+        {"key_cache": keys, "value_cache": vals},
+        [4, 9, 2],
+        {"seq_len": seq, "x": [1, "a"]},
     )
 
 
@@ -45,7 +48,11 @@ DTYPES += [getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasatt
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_round_trip_all_dtypes(dtype):
-    src = torch.randn(33, 2, 32).to(dtype) if dtype.is_floating_point else torch.randint(0, 100, (33, 2, 32)).to(dtype)
+    src = (
+        torch.randn(33, 2, 32).to(dtype)
+        if dtype.is_floating_point
+        else torch.randint(0, 100, (33, 2, 32)).to(dtype)
+    )
     data = KVCacheTransferData("r", {"key_cache": [src], "value_cache": [src]}, [1], {})
     _assert_same(data, KVCacheTransferData.from_bytes(bytes(data.to_bytes())))
 
@@ -79,7 +86,12 @@ def test_lazy_tensor_fills_in_place():
 
 
 def test_objects_bytes_and_nesting():
-    obj = {"a": [1, 2.5, None, True, "s"], "small": b"xy", "big": b"z" * 5000, 3: {"t": torch.ones(2)}}
+    obj = {
+        "a": [1, 2.5, None, True, "s"],
+        "small": b"xy",
+        "big": b"z" * 5000,
+        3: {"t": torch.ones(2)},
+    }
     out = codec.decode(codec.encode(obj).to_bytearray())
     assert out["a"] == obj["a"] and out["small"] == b"xy" and out["big"] == obj["big"]
     assert torch.equal(out[3]["t"], torch.ones(2))
@@ -98,7 +110,9 @@ def test_unsupported_dtype_is_rejected_on_encode():
 # -- rejections of malformed frames ----------------------------------------------------------
 
 
-def _craft(header: dict, data: bytes = b"", *, version: int = codec.VERSION, magic: bytes = codec.MAGIC) -> bytes:
+def _craft(
+    header: dict, data: bytes = b"", *, version: int = codec.VERSION, magic: bytes = codec.MAGIC
+) -> bytes:
     """A frame with an arbitrary header and a valid checksum (so table checks are reached)."""
     hb = msgpack.packb(header, use_bin_type=True)
     start = codec.align_up(codec.PRELUDE_SIZE + len(hb))
@@ -106,7 +120,9 @@ def _craft(header: dict, data: bytes = b"", *, version: int = codec.VERSION, mag
     body[codec.PRELUDE_SIZE : codec.PRELUDE_SIZE + len(hb)] = hb
     body[start:] = data
     digest = xxhash.xxh3_64_intdigest(bytes(body[codec.PRELUDE_SIZE :]))
-    codec.PRELUDE.pack_into(body, 0, magic, version, codec.CHECKSUM_XXH3, 0, len(hb), len(data), digest)
+    codec.PRELUDE.pack_into(
+        body, 0, magic, version, codec.CHECKSUM_XXH3, 0, len(hb), len(data), digest
+    )
     return bytes(body)
 
 
@@ -118,13 +134,21 @@ def _ref(i: int) -> msgpack.ExtType:
     ("header", "data", "match"),
     [
         ({"t": [["float32", [2], 0, 8]], "b": [], "v": _ref(0)}, b"\0" * 8, None),  # valid control
-        ({"t": [["complex64", [2], 0, 16]], "b": [], "v": _ref(0)}, b"\0" * 16, "unsupported dtype"),
+        (
+            {"t": [["complex64", [2], 0, 16]], "b": [], "v": _ref(0)},
+            b"\0" * 16,
+            "unsupported dtype",
+        ),
         ({"t": [["float32", [-2], 0, 8]], "b": [], "v": _ref(0)}, b"\0" * 8, "bad shape"),
         ({"t": [["float32", [3], 0, 8]], "b": [], "v": _ref(0)}, b"\0" * 8, "needs 12 bytes"),
         ({"t": [["float32", [4], 0, 16]], "b": [], "v": _ref(0)}, b"\0" * 8, "out of the"),
         ({"t": [["float32", [2], 2, 8]], "b": [], "v": _ref(0)}, b"\0" * 16, "not aligned"),
         (
-            {"t": [["float32", [4], 0, 16], ["float32", [4], 8, 16]], "b": [], "v": [_ref(0), _ref(1)]},
+            {
+                "t": [["float32", [4], 0, 16], ["float32", [4], 8, 16]],
+                "b": [],
+                "v": [_ref(0), _ref(1)],
+            },
             b"\0" * 32,
             "overlapping",
         ),
@@ -132,7 +156,11 @@ def _ref(i: int) -> msgpack.ExtType:
         ({"t": "nope", "b": [], "v": 1}, b"", "tensor table"),
         ({"b": [], "v": 1}, b"", "lacks"),
         ({"t": [], "b": [[0, 99]], "v": 1}, b"\0" * 8, "blob #0"),
-        ({"t": [["float32", [1, 1, 1, 1, 1, 1, 1, 1, 1], 0, 4]], "b": [], "v": 1}, b"\0" * 4, "bad shape"),
+        (
+            {"t": [["float32", [1, 1, 1, 1, 1, 1, 1, 1, 1], 0, 4]], "b": [], "v": 1},
+            b"\0" * 4,
+            "bad shape",
+        ),
     ],
 )
 def test_table_validation(header, data, match):
@@ -191,7 +219,9 @@ def test_fuzz_random_bytes_only_raise_payload_errors(blob):
 
 
 @settings(max_examples=400, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, len(_GOOD) - 1), st.integers(1, 255)), min_size=1, max_size=4))
+@given(
+    st.lists(st.tuples(st.integers(0, len(_GOOD) - 1), st.integers(1, 255)), min_size=1, max_size=4)
+)
 def test_fuzz_mutated_frames_never_decode_wrong_data(flips):
     raw = bytearray(_GOOD)
     for pos, x in flips:
@@ -211,7 +241,13 @@ def test_fuzz_mutated_frames_never_decode_wrong_data(flips):
 @given(
     st.dictionaries(
         st.text(max_size=8),
-        st.one_of(st.integers(-(2**63), 2**63 - 1), st.floats(allow_nan=False), st.text(), st.binary(max_size=3000), st.none()),
+        st.one_of(
+            st.integers(-(2**63), 2**63 - 1),
+            st.floats(allow_nan=False),
+            st.text(),
+            st.binary(max_size=3000),
+            st.none(),
+        ),
         max_size=6,
     )
 )

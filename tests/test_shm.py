@@ -76,7 +76,11 @@ def test_views_point_into_shared_memory_and_segment_is_recycled(ns):
     with SharedMemoryConnector({"namespace": ns}) as conn:
         conn.put("0", "1", "a", _payload())
         obj, _ = conn.get("0", "1", "a")
-        seg_files = [n for n in os.listdir("/dev/shm") if n.startswith(shm_arena.SEG_PREFIX + str(os.getpid()))]
+        seg_files = [
+            n
+            for n in os.listdir("/dev/shm")
+            if n.startswith(shm_arena.SEG_PREFIX + str(os.getpid()))
+        ]
         assert len(seg_files) == 1
         arena_bytes = conn.health()["arena_bytes"]
         del obj
@@ -102,13 +106,20 @@ def test_small_payload_travels_inline(ns):
     with SharedMemoryConnector({"namespace": ns, "shm_threshold_bytes": 1 << 20}) as conn:
         ok, size, meta = conn.put("0", "1", "small", {"x": torch.arange(10)})
         assert ok and size < (1 << 20) and isinstance(meta["inline"], bytes)
-        assert not [n for n in os.listdir("/dev/shm") if n.startswith(shm_arena.SEG_PREFIX + str(os.getpid()))]
+        assert not [
+            n
+            for n in os.listdir("/dev/shm")
+            if n.startswith(shm_arena.SEG_PREFIX + str(os.getpid()))
+        ]
         obj, _ = conn.get("0", "1", "small")
         assert torch.equal(obj["x"], torch.arange(10))
 
 
 def test_missing_key_returns_none_and_exactly_one_reader_wins(ns):
-    with SharedMemoryConnector({"namespace": ns}) as a, SharedMemoryConnector({"namespace": ns}) as b:
+    with (
+        SharedMemoryConnector({"namespace": ns}) as a,
+        SharedMemoryConnector({"namespace": ns}) as b,
+    ):
         assert a.get("0", "1", "nope") is None
         a.put("0", "1", "k", b"x" * 100_000)
         first, second = b.get("0", "1", "k"), a.get("0", "1", "k")
@@ -117,7 +128,10 @@ def test_missing_key_returns_none_and_exactly_one_reader_wins(ns):
 
 
 def test_edges_and_namespaces_isolate_keys(ns):
-    with SharedMemoryConnector({"namespace": ns}) as a, SharedMemoryConnector({"namespace": ns + "x"}) as b:
+    with (
+        SharedMemoryConnector({"namespace": ns}) as a,
+        SharedMemoryConnector({"namespace": ns + "x"}) as b,
+    ):
         a.put("0", "1", "k", b"edge01")
         assert a.get("1", "2", "k") is None
         assert b.get("0", "1", "k") is None
@@ -166,7 +180,11 @@ def test_close_is_idempotent_and_removes_everything(ns):
 def test_corrupt_segment_is_reported_not_returned(ns):
     with SharedMemoryConnector({"namespace": ns}) as conn:
         conn.put("0", "1", "k", _payload())
-        seg = [n for n in os.listdir("/dev/shm") if n.startswith(shm_arena.SEG_PREFIX + str(os.getpid()))][0]
+        seg = [
+            n
+            for n in os.listdir("/dev/shm")
+            if n.startswith(shm_arena.SEG_PREFIX + str(os.getpid()))
+        ][0]
         with open(f"/dev/shm/{seg}", "r+b") as f:
             f.seek(shm_arena.DATA_OFFSET + 5000)
             b = f.read(1)

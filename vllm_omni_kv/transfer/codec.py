@@ -159,9 +159,7 @@ class Frame:
 
     # -- packing -----------------------------------------------------------------
     def _write_prelude(self, mv: memoryview, alg: int, checksum: int) -> None:
-        PRELUDE.pack_into(
-            mv, 0, MAGIC, VERSION, alg, 0, len(self.header), self.data_len, checksum
-        )
+        PRELUDE.pack_into(mv, 0, MAGIC, VERSION, alg, 0, len(self.header), self.data_len, checksum)
         mv[PRELUDE.size : PRELUDE_SIZE] = bytes(PRELUDE_SIZE - PRELUDE.size)
 
     def pack_into(self, buf: Any, *, checksum: bool = True) -> int:
@@ -170,7 +168,9 @@ class Frame:
         if mv.readonly:
             raise KVPayloadError("pack_into needs a writable buffer")
         if mv.nbytes < self.nbytes:
-            raise KVPayloadError(f"buffer of {mv.nbytes} bytes cannot hold a {self.nbytes}-byte frame")
+            raise KVPayloadError(
+                f"buffer of {mv.nbytes} bytes cannot hold a {self.nbytes}-byte frame"
+            )
         h_end = PRELUDE_SIZE + len(self.header)
         mv[PRELUDE_SIZE:h_end] = self.header
         mv[h_end : self.data_start] = bytes(self.data_start - h_end)
@@ -190,7 +190,9 @@ class Frame:
                     if isinstance(src, memoryview):
                         mv[base + off : base + off + nbytes] = src
                     else:
-                        dst = torch.frombuffer(mv, dtype=torch.uint8, count=nbytes, offset=base + off)
+                        dst = torch.frombuffer(
+                            mv, dtype=torch.uint8, count=nbytes, offset=base + off
+                        )
                         _fill(src, dst.view(src.dtype).view(self._shape(src)))
                         del dst
                 if end > off + nbytes:
@@ -367,9 +369,7 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _check_tensor_table(
-    table: Any, data_len: int
-) -> list[tuple[torch.dtype, list[int], int, int]]:
+def _check_tensor_table(table: Any, data_len: int) -> list[tuple[torch.dtype, list[int], int, int]]:
     if not isinstance(table, list):
         raise KVPayloadError("frame tensor table must be a list")
     out = []
@@ -410,7 +410,9 @@ def _check_blob_table(table: Any, data_len: int) -> list[tuple[int, int]]:
     out = []
     for i, entry in enumerate(table):
         if not (
-            isinstance(entry, list) and len(entry) == 2 and all(_is_int(x) and x >= 0 for x in entry)
+            isinstance(entry, list)
+            and len(entry) == 2
+            and all(_is_int(x) and x >= 0 for x in entry)
         ):
             raise KVPayloadError(f"blob #{i}: descriptor must be [offset, nbytes]")
         off, nbytes = entry
@@ -483,5 +485,7 @@ def decode_tensor(t: torch.Tensor, *, verify: bool = True) -> Any:
         else torch.empty(shape, dtype=dtype, device=t.device)
         for dtype, shape, off, nb in p.tensors
     ]
-    blobs = [t[data_start + off : data_start + off + nb].cpu().numpy().tobytes() for off, nb in p.blobs]
+    blobs = [
+        t[data_start + off : data_start + off + nb].cpu().numpy().tobytes() for off, nb in p.blobs
+    ]
     return _resolve(p.tree, views, blobs)

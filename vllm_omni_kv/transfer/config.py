@@ -35,7 +35,9 @@ class ConnectorSpec:
         if not isinstance(self.name, str) or not self.name:
             raise ConfigError(f"connector 'name' must be a non-empty string, got {self.name!r}")
         if not isinstance(self.extra, dict):
-            raise ConfigError(f"connector 'extra' must be a mapping, got {type(self.extra).__name__}")
+            raise ConfigError(
+                f"connector 'extra' must be a mapping, got {type(self.extra).__name__}"
+            )
 
 
 @dataclass
@@ -64,7 +66,9 @@ def _spec_from(obj: Any, where: str) -> ConnectorSpec:
         raise ConfigError(f"{where}.name is missing (the backend, e.g. 'SharedMemoryConnector')")
     extra = obj.get("extra")
     if extra is None:  # flat form: every other key is a backend setting
-        extra = {k: v for k, v in obj.items() if k not in ("name", "type", "from_stage", "to_stage")}
+        extra = {
+            k: v for k, v in obj.items() if k not in ("name", "type", "from_stage", "to_stage")
+        }
     if not isinstance(extra, dict):
         raise ConfigError(f"{where}.extra must be a mapping, got {type(extra).__name__}")
     try:
@@ -77,7 +81,9 @@ def _parse(data: dict[str, Any], default_shm_threshold: int) -> OmniTransferConf
     known = {"default_connector", "connectors"}
     unknown = sorted(set(data) - known)
     if unknown:
-        raise ConfigError(f"unknown omni transfer config field(s) {unknown}; expected {sorted(known)}")
+        raise ConfigError(
+            f"unknown omni transfer config field(s) {unknown}; expected {sorted(known)}"
+        )
     cfg = OmniTransferConfig()
     if data.get("default_connector") is not None:
         cfg.default_connector = _spec_from(data["default_connector"], "default_connector")
@@ -141,5 +147,7 @@ def load_omni_transfer_config(
             raise ConfigError(f"omni transfer config {path} must hold a mapping at top level")
         config_dict = loaded
     if not isinstance(config_dict, dict):
-        raise ConfigError(f"omni transfer config must be a mapping, got {type(config_dict).__name__}")
+        raise ConfigError(
+            f"omni transfer config must be a mapping, got {type(config_dict).__name__}"
+        )
     return _parse(config_dict, default_shm_threshold)

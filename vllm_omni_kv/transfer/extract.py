@@ -54,7 +54,11 @@ def extract_request_kv(
     keys: list[Any] = []
     values: list[Any] = []
     for idx, layer in enumerate(kv_caches):
-        kv = None if layer is None else normalize_layer_kv(layer, req_id=request_id, layer_idx=idx, layout=layout)
+        kv = (
+            None
+            if layer is None
+            else normalize_layer_kv(layer, req_id=request_id, layer_idx=idx, layout=layout)
+        )
         if kv is None:
             keys.append(None)
             values.append(None)

@@ -113,7 +113,9 @@ class OmniKVTransferManager:
         self.connector_error: BaseException | None = None
         self._lock = threading.Lock()
         self._sender_base: tuple[str, int] | None = None
-        recv_from = config.engine_input_source[0] if config.engine_input_source else config.from_stage
+        recv_from = (
+            config.engine_input_source[0] if config.engine_input_source else config.from_stage
+        )
         if config.need_recv_cache and recv_from is not None and config.stage_id is not None:
             self.recv_stages: tuple[str | None, str | None] = (str(recv_from), str(config.stage_id))
         elif recv_from is not None and config.to_stage is not None and config.need_recv_cache:
@@ -175,7 +177,9 @@ class OmniKVTransferManager:
             if not name:
                 raise ConfigError("connector_config.type is missing (e.g. 'SharedMemoryConnector')")
             try:
-                self._connector = OmniConnectorFactory.create_connector(ConnectorSpec(str(name), cc))
+                self._connector = OmniConnectorFactory.create_connector(
+                    ConnectorSpec(str(name), cc)
+                )
             except Exception as e:
                 self.connector_error = e
                 logger.error("KV connector %s failed to start: %s", name, e)
@@ -234,7 +238,9 @@ class OmniKVTransferManager:
             "from_tp": self.config.from_tp,
             "to_tp": self.config.to_tp,
         }
-        return extract_request_kv(request_id, block_ids, seq_len, kv_caches, metadata=meta, lazy=lazy)
+        return extract_request_kv(
+            request_id, block_ids, seq_len, kv_caches, metadata=meta, lazy=lazy
+        )
 
     def send_kv_cache(self, request_id: str, data: KVCacheTransferData | Any) -> bool:
         """Send ``data`` to every target rank's key, retrying with backoff; True when all succeeded."""
@@ -263,7 +269,9 @@ class OmniKVTransferManager:
             except Exception as e:
                 reason = f"{type(e).__name__}: {e}"
             if attempt < self.config.send_retries:
-                logger.warning("sending KV %s failed (%s); retry %d in %.2fs", key, reason, attempt, delay)
+                logger.warning(
+                    "sending KV %s failed (%s); retry %d in %.2fs", key, reason, attempt, delay
+                )
                 time.sleep(delay * (1 + random.random() * 0.1))
                 delay *= 2
             else:
@@ -303,13 +311,15 @@ class OmniKVTransferManager:
 
     # -- receive side -----------------------------------------------------------------------
     def update_sender_info(
-        self, sender_info: dict[str, Any], sender_stage_id: str | int | None = None
+        self, sender_info: dict[Any, Any], sender_stage_id: str | int | None = None
     ) -> None:
         """Record the sender's host and rank-0 ZMQ port (offset per TP rank on use)."""
         info = sender_info
         if sender_stage_id is not None and isinstance(sender_info.get(sender_stage_id), dict):
             info = sender_info[sender_stage_id]
-        elif sender_stage_id is not None and isinstance(sender_info.get(str(sender_stage_id)), dict):
+        elif sender_stage_id is not None and isinstance(
+            sender_info.get(str(sender_stage_id)), dict
+        ):
             info = sender_info[str(sender_stage_id)]
         host = info.get("host") or info.get("sender_host")
         port = info.get("zmq_port") or info.get("sender_zmq_port") or info.get("port")
@@ -373,7 +383,10 @@ class OmniKVTransferManager:
             got = self._poll(from_stage, to_stage, key, self._rank_metadata(from_rank), deadline)
             if got is None:
                 logger.warning(
-                    "no KV for request %s (key %s) within %.1fs", request_id, key, self.config.recv_timeout
+                    "no KV for request %s (key %s) within %.1fs",
+                    request_id,
+                    key,
+                    self.config.recv_timeout,
                 )
                 return None, 0
             obj, size = got
@@ -395,7 +408,9 @@ class OmniKVTransferManager:
         try:
             data, _size = self.receive_kv_cache_for_request(str(req.request_id), target_device)
         except OmniKVError as e:
-            logger.error("receiving KV for request %s failed: %s", getattr(req, "request_id", "?"), e)
+            logger.error(
+                "receiving KV for request %s failed: %s", getattr(req, "request_id", "?"), e
+            )
             return False
         if data is None:
             return False

