@@ -24,7 +24,7 @@ logger = init_logger(__name__)
 KEY, VALUE = "key_cache", "value_cache"
 
 
-def _lazy_gather(blocks: torch.Tensor, block_ids: list[int], seq_len: int) -> LazyTensor:
+def _lazy_gather(blocks: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> LazyTensor:
     shape = request_kv_shape(blocks, seq_len)
 
     def fill(dst: torch.Tensor) -> None:
@@ -51,6 +51,7 @@ def extract_request_kv(
     if seq_len <= 0:
         raise KVPayloadError(f"request {request_id}: seq_len must be positive, got {seq_len}")
     ids = [int(b) for b in block_ids]
+    ids_t = torch.tensor(ids, dtype=torch.long)  # built once, shared by every layer
     keys: list[Any] = []
     values: list[Any] = []
     for idx, layer in enumerate(kv_caches):
@@ -65,11 +66,11 @@ def extract_request_kv(
             continue
         k_blocks, v_blocks = kv
         if lazy:
-            keys.append(_lazy_gather(k_blocks, ids, seq_len))
-            values.append(_lazy_gather(v_blocks, ids, seq_len))
+            keys.append(_lazy_gather(k_blocks, ids_t, seq_len))
+            values.append(_lazy_gather(v_blocks, ids_t, seq_len))
         else:
-            keys.append(gather_request_kv(k_blocks, ids, seq_len))
-            values.append(gather_request_kv(v_blocks, ids, seq_len))
+            keys.append(gather_request_kv(k_blocks, ids_t, seq_len))
+            values.append(gather_request_kv(v_blocks, ids_t, seq_len))
     if all(k is None for k in keys):
         raise KVPayloadError(f"request {request_id}: no layer has a usable KV cache to extract")
     meta = {"seq_len": int(seq_len), "num_layers": len(keys), **(metadata or {})}
@@ -97,6 +98,7 @@ def inject_request_kv(
         raise KVPayloadError(
             f"payload has {len(keys)} layers, the local model has {len(kv_caches)}"
         )
+    ids_t = torch.tensor([int(b) for b in block_ids], dtype=torch.long)
     written = -1
     for idx, layer in enumerate(kv_caches):
         if layer is None:
@@ -120,6 +122,6 @@ def inject_request_kv(
                 )
             if src.device != dst_blocks.device:
                 src = src.to(dst_blocks.device)
-            scatter_request_kv(dst_blocks, block_ids, src[:n])
+            scatter_request_kv(dst_blocks, ids_t, src[:n])
         written = n
     return max(written, 0)
