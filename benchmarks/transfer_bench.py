@@ -122,40 +122,41 @@ def shm_move(nbytes_target: int, repeats: int) -> tuple[float, int]:
     return statistics.median(times), size
 
 
+def measure_size(mib: int, repeats: int) -> list[dict[str, Any]]:
+    """memcpy, pack, unpack and the two-process move for one payload size."""
+    tokens = _tokens_for(mib)
+    caches, ids = _paged_caches(tokens, seed=1)
+    nbytes = tokens * BYTES_PER_TOKEN
+    src = torch.empty(nbytes, dtype=torch.uint8).random_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    memcpy_s = _median_seconds(lambda: dst.copy_(src), repeats * 2)
+    rows = [_row("memcpy", nbytes, memcpy_s, memcpy_s)]
+    frame = extract_request_kv("r", ids, tokens, caches).frame()
+    buf = bytearray(frame.nbytes)
+    frame.pack_into(buf)
+    pack_s = _median_seconds(lambda: frame.pack_into(buf), repeats)
+    rows.append(_row("pack (gather+checksum)", frame.nbytes, pack_s, memcpy_s))
+    unpack_s = _median_seconds(lambda: KVCacheTransferData.from_bytes(buf), repeats)
+    rows.append(_row("unpack (verify, views)", frame.nbytes, unpack_s, memcpy_s))
+    unpack_nv = _median_seconds(lambda: KVCacheTransferData.from_bytes(buf, verify=False), repeats)
+    rows.append(_row("unpack (no verify, views)", frame.nbytes, unpack_nv, memcpy_s))
+    move_s, size = shm_move(nbytes, repeats)
+    rows.append(_row("shm move (cache->cache, 2 procs)", size, move_s, memcpy_s))
+    print(
+        f"{mib:4d} MiB  memcpy {nbytes / memcpy_s / 1e9:6.2f} GB/s | pack {frame.nbytes / pack_s / 1e9:6.2f}"
+        f" | unpack {frame.nbytes / unpack_s / 1e9:6.2f} | shm move {size / move_s / 1e9:6.2f} GB/s"
+        f" = {memcpy_s / move_s:.0%} of memcpy",
+        flush=True,
+    )
+    return rows
+
+
 def run(sizes_mib: list[int], repeats: int) -> list[dict[str, Any]]:
     torch.set_num_threads(1)  # one core per process: the consumer owns the other
     rows: list[dict[str, Any]] = []
     for mib in sizes_mib:
-        tokens = _tokens_for(mib)
-        caches, ids = _paged_caches(tokens, seed=1)
-        nbytes = tokens * BYTES_PER_TOKEN
-        src = torch.empty(nbytes, dtype=torch.uint8).random_()
-        dst = torch.empty_like(src)
-        dst.copy_(src)
-        memcpy_s = _median_seconds(lambda: dst.copy_(src), repeats * 2)
-        rows.append(_row("memcpy", nbytes, memcpy_s, memcpy_s))
-
-        data = extract_request_kv("r", ids, tokens, caches)
-        frame = data.frame()
-        buf = bytearray(frame.nbytes)
-        frame.pack_into(buf)
-        pack_s = _median_seconds(lambda: frame.pack_into(buf), repeats)
-        rows.append(_row("pack (gather+checksum)", frame.nbytes, pack_s, memcpy_s))
-        unpack_s = _median_seconds(lambda: KVCacheTransferData.from_bytes(buf), repeats)
-        rows.append(_row("unpack (verify, views)", frame.nbytes, unpack_s, memcpy_s))
-        unpack_nv = _median_seconds(
-            lambda: KVCacheTransferData.from_bytes(buf, verify=False), repeats
-        )
-        rows.append(_row("unpack (no verify, views)", frame.nbytes, unpack_nv, memcpy_s))
-
-        move_s, size = shm_move(nbytes, repeats)
-        rows.append(_row("shm move (cache->cache, 2 procs)", size, move_s, memcpy_s))
-        print(
-            f"{mib:4d} MiB  memcpy {nbytes / memcpy_s / 1e9:6.2f} GB/s | pack {frame.nbytes / pack_s / 1e9:6.2f}"
-            f" | unpack {frame.nbytes / unpack_s / 1e9:6.2f} | shm move {size / move_s / 1e9:6.2f} GB/s"
-            f" = {memcpy_s / move_s:.0%} of memcpy",
-            flush=True,
-        )
+        rows += measure_size(mib, repeats)
     return rows
 
 
