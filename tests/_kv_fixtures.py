@@ -21,14 +21,16 @@ def reference_kv(
     """Token-by-token extraction with explicit loops (independent of the code under test)."""
     nb, heads, bs, two_d = cache.shape
     d = two_d // 2
-    raw = cache.view(nb, heads, 2 * bs, d)  # per (block, head): bs rows of K then bs rows of V
+    # per (block, head): K stored transposed as [d, bs], then V as [bs, d]
+    k_part = cache.view(nb, heads, 2, d * bs)[:, :, 0].reshape(nb, heads, d, bs)
+    v_part = cache.view(nb, heads, 2, bs * d)[:, :, 1].reshape(nb, heads, bs, d)
     k = torch.empty(seq_len, heads, d, dtype=cache.dtype)
     v = torch.empty(seq_len, heads, d, dtype=cache.dtype)
     for t in range(seq_len):
         b, off = block_ids[t // bs], t % bs
         for h in range(heads):
-            k[t, h] = raw[b, h, off]
-            v[t, h] = raw[b, h, bs + off]
+            k[t, h] = k_part[b, h, :, off]
+            v[t, h] = v_part[b, h, off]
     return k, v
 
 

@@ -55,11 +55,13 @@ def ref_slot(raw: object, layout: str, kv: int, block: int, slot: int, head: int
         return raw[block, kv, slot, head]  # type: ignore[index]
     if layout == "tuple":
         return raw[kv][block, slot, head]  # type: ignore[index]
-    # cpu: raw [nb, h, bs, 2*D]; per (block, head) memory = bs rows of K, then bs rows of V
+    # cpu: raw [nb, h, bs, 2*D]; per (block, head) memory = K as [D, bs] (transposed),
+    # then V as [bs, D] rows
     flat = raw[block, head].reshape(-1)  # type: ignore[index]
     bs = raw.shape[2]  # type: ignore[attr-defined]
-    row = kv * bs + slot
-    return flat[row * D : (row + 1) * D]
+    if kv == 0:
+        return flat[: D * bs].view(D, bs)[:, slot]
+    return flat[D * bs :].view(bs, D)[slot]
 
 
 def ref_gather(
@@ -137,21 +139,25 @@ def test_scatter_into_cpu_layout_mutates_raw_cache() -> None:
     v_src = -k_src
     scatter_request_kv(k_blocks, [2, 0], k_src)
     scatter_request_kv(v_blocks, [2, 0], v_src)
-    # token 5 -> block 0, slot 1; head 1: K row 1, V row BS + 1 of raw[0, 1] seen as [2*BS, D]
-    rows = raw[0, 1].reshape(2 * BS, D)
-    assert torch.equal(rows[1], k_src[5, 1])
-    assert torch.equal(rows[BS + 1], v_src[5, 1])
+    # token 5 -> block 0, slot 1; head 1: K column 1 of [D, BS], V row 1 of [BS, D]
+    k_part = raw[0, 1].reshape(-1)[: D * BS].view(D, BS)
+    v_part = raw[0, 1].reshape(-1)[D * BS :].view(BS, D)
+    assert torch.equal(k_part[:, 1], k_src[5, 1])
+    assert torch.equal(v_part[1], v_src[5, 1])
     # token 0 -> block 2, slot 0, head 0
-    assert torch.equal(raw[2, 0].reshape(2 * BS, D)[0], k_src[0, 0])
-    assert torch.equal(raw[2, 0].reshape(2 * BS, D)[BS], v_src[0, 0])
+    assert torch.equal(raw[2, 0].reshape(-1)[: D * BS].view(D, BS)[:, 0], k_src[0, 0])
+    assert torch.equal(raw[2, 0].reshape(-1)[D * BS :].view(BS, D)[0], v_src[0, 0])
     # block 0 slots 2..3 untouched; other blocks untouched
-    assert torch.count_nonzero(raw[0].reshape(H, 2 * BS, D)[:, [2, 3, BS + 2, BS + 3]]) == 0
+    k0 = raw[0].reshape(H, -1)[:, : D * BS].view(H, D, BS)
+    v0 = raw[0].reshape(H, -1)[:, D * BS :].view(H, BS, D)
+    assert torch.count_nonzero(k0[:, :, 2:4]) == 0 and torch.count_nonzero(v0[:, 2:4]) == 0
     assert torch.count_nonzero(raw[[1, 3, 4, 5]]) == 0
     # number of written elements = 2 (K, V) * 6 tokens * H * D
     assert torch.count_nonzero(raw) == 2 * 6 * H * D
-    # vLLM's own view of the cache sees the same K/V
-    k_vllm, v_vllm = raw.view(NB, H, 2 * BS, D).chunk(2, dim=2)
-    assert torch.equal(k_vllm[2, :, 3], k_src[3])
+    # vLLM's kernel view: the K half of each block seen as [D, BS] per head
+    k_vllm = raw.view(NB, H, 2, D * BS)[:, :, 0].view(NB, H, D, BS)
+    v_vllm = raw.view(NB, H, 2, BS * D)[:, :, 1].view(NB, H, BS, D)
+    assert torch.equal(k_vllm[2, :, :, 3], k_src[3])
     assert torch.equal(v_vllm[0, :, 0], v_src[4])
 
 

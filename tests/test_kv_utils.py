@@ -409,14 +409,16 @@ def test_normalize_tuple() -> None:
 def test_normalize_cpu_layout() -> None:
     raw = torch.randn(NB, H, BS, 2 * D)
     assert detect_kv_layout(raw) == "cpu"
-    # independent reference: vLLM's own view, [nb, h, 2*bs, d] chunked along dim 2
-    k_vllm, v_vllm = raw.view(NB, H, 2 * BS, D).chunk(2, dim=2)
-    _check_views(raw, k_vllm.permute(0, 2, 1, 3), v_vllm.permute(0, 2, 1, 3))
-    # and explicit memory positions: per (block, head) bs rows of K then bs rows of V
+    # independent reference: the kernel's view, K half as [d, bs], V half as [bs, d]
+    halves = raw.view(NB, H, 2, BS * D)
+    k_kernel = halves[:, :, 0].reshape(NB, H, D, BS)
+    v_kernel = halves[:, :, 1].reshape(NB, H, BS, D)
+    _check_views(raw, k_kernel.permute(0, 3, 1, 2), v_kernel.permute(0, 2, 1, 3))
+    # and explicit memory positions: per (block, head) K column-major, then V rows
     flat = raw.reshape(NB, H, -1)
     k, v = normalize_layer_kv(raw)  # type: ignore[misc]
     for b, t, h in [(0, 0, 0), (3, 2, 1), (4, 3, 2)]:
-        assert torch.equal(k[b, t, h], flat[b, h, t * D : (t + 1) * D])
+        assert torch.equal(k[b, t, h], flat[b, h, t : D * BS : BS])
         assert torch.equal(v[b, t, h], flat[b, h, (BS + t) * D : (BS + t + 1) * D])
 
 

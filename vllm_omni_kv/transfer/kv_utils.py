@@ -442,15 +442,21 @@ def _split(layer_kv: Any, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
                 f"flashinfer layout needs [nb, 2, bs, h, d], got {tuple(layer_kv.shape)}"
             )
         return layer_kv[:, 0], layer_kv[:, 1]
-    # cpu: [nb, h, bs, 2*d]; per (block, head): bs rows of K then bs rows of V.
+    # cpu: [nb, h, bs, 2*d]. Per (block, head) the memory holds K then V, bs*d values
+    # each; the "vec"/"vec16" kernels store K transposed ([d, bs]: one row per
+    # channel, for vectorised q.k) and V as [bs, d] rows. Verified against a live
+    # vLLM 0.32 engine (tests/test_cpu_layout.py); the "amx" kernel is not covered.
     if layer_kv.dim() != 4 or layer_kv.shape[3] % 2 != 0:
         raise KVPayloadError(f"cpu layout needs [nb, h, bs, 2*d], got {tuple(layer_kv.shape)}")
     nb, h, bs, d2 = layer_kv.shape
+    d = d2 // 2
     try:
-        kv = layer_kv.view(nb, h, 2, bs, d2 // 2)
+        halves = layer_kv.view(nb, h, 2, bs * d)
     except RuntimeError as exc:
         raise KVPayloadError(f"cpu-layout KV cache cannot be viewed per block/head: {exc}") from exc
-    return kv[:, :, 0].permute(0, 2, 1, 3), kv[:, :, 1].permute(0, 2, 1, 3)
+    key = halves[:, :, 0].view(nb, h, d, bs).permute(0, 3, 1, 2)
+    value = halves[:, :, 1].view(nb, h, bs, d).permute(0, 2, 1, 3)
+    return key, value
 
 
 def normalize_layer_kv(

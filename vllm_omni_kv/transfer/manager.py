@@ -399,6 +399,8 @@ class OmniKVTransferManager:
             data = payloads[0]
         if topo.target_tp_size > topo.source_tp_size:
             data = slice_received_rank_shard(data, topo, slicer=self.kv_payload_slicer)
+        if data is not None:
+            data = _trim_to_num_tokens(data)
         if data is not None and target_device is not None:
             data = _to_device(data, target_device)
         return data, total
@@ -491,6 +493,20 @@ def _attach_extras(req: Any, extras: dict[str, Any]) -> None:
     target = getattr(req, "sampling_params", None) or req
     for k, v in extras.items():
         setattr(target, k, v)
+
+
+def _trim_to_num_tokens(data: dict[str, Any]) -> dict[str, Any]:
+    """Producers may ship whole blocks; keep the first ``metadata.num_tokens`` rows (views)."""
+    n = (data.get("metadata") or {}).get("num_tokens")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        return data
+    blocks = {
+        name: [t[:n] if isinstance(t, torch.Tensor) and t.shape[0] > n else t for t in layers]
+        if isinstance(layers, list)
+        else layers
+        for name, layers in data.get("layer_blocks", {}).items()
+    }
+    return {**data, "layer_blocks": blocks}
 
 
 def _to_device(data: dict[str, Any], device: torch.device) -> dict[str, Any]:

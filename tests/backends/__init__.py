@@ -1,0 +1,1 @@
+"""Backend tests: the shared conformance suite and backend-specific tests."""

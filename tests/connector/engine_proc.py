@@ -1,0 +1,204 @@
+"""One vLLM ``LLM`` engine in its own process, driven by JSON lines (no pickle).
+
+Started as ``python engine_proc.py '<json config>'``; answers on stdout with
+lines prefixed by :data:`MARK` (vLLM's own logging goes to stderr/stdout too).
+Commands: ``{"cmd": "generate", "prompts": [[token ids]...], "max_tokens": n,
+"kv_transfer_params": [dict|None...]}`` and ``{"cmd": "exit"}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+MARK = "@@OMNIKV@@ "
+
+
+def _emit(obj: dict[str, Any]) -> None:
+    sys.stdout.write(MARK + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def _serve(cfg: dict[str, Any]) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    ktc = cfg.get("kv_transfer_config")
+    llm = LLM(
+        model=cfg["model"],
+        dtype=cfg.get("dtype", "float32"),
+        max_model_len=cfg.get("max_model_len", 2048),
+        block_size=cfg.get("block_size", 32),
+        enforce_eager=True,
+        seed=0,
+        max_num_seqs=cfg.get("max_num_seqs", 32),
+        max_num_batched_tokens=cfg.get("max_num_batched_tokens", 8192),
+        kv_transfer_config=KVTransferConfig(**ktc) if ktc else None,
+    )
+    _emit({"ready": True, "pid": os.getpid()})
+    for line in sys.stdin:
+        req = json.loads(line)
+        if req.get("cmd") == "exit":
+            break
+        params = req.get("kv_transfer_params") or [None] * len(req["prompts"])
+        sps = [
+            SamplingParams(
+                temperature=0,
+                max_tokens=req.get("max_tokens", 16),
+                ignore_eos=True,
+                extra_args={"kv_transfer_params": dict(p)} if p else None,
+            )
+            for p in params
+        ]
+        prompts: Any = [{"prompt_token_ids": ids} for ids in req["prompts"]]
+        t0 = time.perf_counter()
+        try:
+            outs = llm.generate(prompts, sps, use_tqdm=False)
+        except Exception as e:  # report, keep serving
+            _emit({"error": f"{type(e).__name__}: {e}", "seconds": time.perf_counter() - t0})
+            continue
+        dt = time.perf_counter() - t0
+        _emit(
+            {
+                "seconds": dt,
+                "outputs": [
+                    {
+                        "request_id": o.request_id,
+                        "token_ids": list(o.outputs[0].token_ids),
+                        "finish_reason": o.outputs[0].finish_reason,
+                        "kv_transfer_params": o.kv_transfer_params,
+                        "num_cached_tokens": o.num_cached_tokens,
+                    }
+                    for o in outs
+                ],
+            }
+        )
+
+
+class EngineProc:
+    """Parent-side handle: start, talk to and stop one engine process."""
+
+    def __init__(
+        self, cfg: dict[str, Any], env: dict[str, str] | None = None, log: Path | None = None
+    ):
+        full_env = dict(os.environ)
+        full_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        full_env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+        full_env.update(env or {})
+        self.log_lines: deque[str] = deque(maxlen=4000)
+        self.log_path = log
+        self._log_file = open(log, "a") if log else None  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, json.dumps(cfg)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=full_env,
+            start_new_session=True,
+        )
+        self._replies: deque[dict[str, Any]] = deque()
+        self._cv = threading.Condition()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(MARK):
+                with self._cv:
+                    self._replies.append(json.loads(line[len(MARK) :]))
+                    self._cv.notify_all()
+            else:
+                self.log_lines.append(line.rstrip("\n"))
+                if self._log_file:
+                    self._log_file.write(line)
+                    self._log_file.flush()
+        with self._cv:
+            self._cv.notify_all()
+
+    def _wait_reply(self, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while not self._replies:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"engine gave no reply in {timeout:.0f}s\n{self.tail()}")
+                if self.proc.poll() is not None and not self._reader.is_alive():
+                    raise RuntimeError(f"engine exited with {self.proc.returncode}\n{self.tail()}")
+                self._cv.wait(min(left, 0.5))
+            return self._replies.popleft()
+
+    def tail(self, n: int = 60) -> str:
+        return "\n".join(list(self.log_lines)[-n:])
+
+    def wait_ready(self, timeout: float = 240.0) -> EngineProc:
+        reply = self._wait_reply(timeout)
+        if not reply.get("ready"):
+            raise RuntimeError(f"unexpected first reply {reply}")
+        return self
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_tokens: int = 16,
+        kv_transfer_params: list[dict[str, Any] | None] | None = None,
+        timeout: float = 180.0,
+    ) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        msg = {"cmd": "generate", "prompts": prompts, "max_tokens": max_tokens}
+        if kv_transfer_params is not None:
+            msg["kv_transfer_params"] = kv_transfer_params
+        self.proc.stdin.write(json.dumps(msg) + "\n")
+        self.proc.stdin.flush()
+        return self._wait_reply(timeout)
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group (the engine core is a child process)."""
+        import signal
+
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait(timeout=30)
+
+    def stop(self, timeout: float = 60.0) -> None:
+        import signal
+
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write(json.dumps({"cmd": "exit"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.stdin.close()
+            except (BrokenPipeError, OSError):
+                pass
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(self.proc.pid, signal.SIGTERM)
+                    self.proc.wait(timeout=15)
+                except (ProcessLookupError, subprocess.TimeoutExpired):
+                    self.kill()
+        else:  # reap stray children of a crashed engine
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if self._log_file:
+            self._log_file.close()
+            self._log_file = None
+
+
+if __name__ == "__main__":
+    _serve(json.loads(sys.argv[1]))

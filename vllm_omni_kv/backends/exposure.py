@@ -1,0 +1,184 @@
+"""Sender-side bookkeeping of pool blocks exposed for pulling (leases, pull counts, TTL).
+
+Every ``put`` creates an :class:`Exposure` identified by a random token. A
+receiver ``acquire``s a lease (so the TTL sweep cannot free the block under an
+in-flight pull), pulls, then ``release``s; the reply tells it whether the block
+stayed live for the whole pull. A block is freed after ``max_pulls`` successful
+pulls (``0``: only by cleanup / TTL), when its TTL passes with no lease held,
+or when it is retired (cleanup / replaced by a newer put) and its last lease
+ends. All methods are thread-safe.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_omni_kv.backends.pool import ManagedBuffer
+from vllm_omni_kv.logger import init_logger
+
+logger = init_logger(__name__)
+
+#: extra time a lease outlives the receiver's own transfer timeout
+LEASE_SLACK_S = 5.0
+
+
+@dataclass
+class Exposure:
+    key: str
+    token: str
+    buf: ManagedBuffer
+    size: int
+    fast: bool
+    dtype: str | None
+    shape: list[int] | None
+    expires: float
+    remaining: int  # successful pulls left (ignored when unlimited)
+    unlimited: bool
+    leases: dict[str, float] = field(default_factory=dict)  # lease id -> deadline
+    retired: bool = False
+
+
+class ExposureTable:
+    """The blocks one sender currently exposes, by key and by token."""
+
+    def __init__(self, ttl_s: float, max_pulls: int, lease_slack_s: float = LEASE_SLACK_S) -> None:
+        self.ttl_s = ttl_s
+        self.max_pulls = max_pulls
+        self.lease_slack_s = lease_slack_s
+        self._lock = threading.Lock()
+        self._by_token: dict[str, Exposure] = {}
+        self._by_key: dict[str, str] = {}
+        self.expired = 0
+
+    def add(
+        self,
+        key: str,
+        buf: ManagedBuffer,
+        size: int,
+        fast: bool,
+        dtype: str | None = None,
+        shape: list[int] | None = None,
+    ) -> Exposure:
+        e = Exposure(
+            key=key,
+            token=uuid.uuid4().hex,
+            buf=buf,
+            size=size,
+            fast=fast,
+            dtype=dtype,
+            shape=shape,
+            expires=time.monotonic() + self.ttl_s,
+            remaining=self.max_pulls,
+            unlimited=self.max_pulls == 0,
+        )
+        with self._lock:
+            old = self._by_key.get(key)
+            if old is not None:  # a re-put replaces the key; the old block ends with its leases
+                self._retire_locked(self._by_token[old])
+            self._by_token[e.token] = e
+            self._by_key[key] = e.token
+        return e
+
+    # -- internal (lock held) --------------------------------------------------------
+    def _retire_locked(self, e: Exposure) -> None:
+        e.retired = True
+        if self._by_key.get(e.key) == e.token:
+            del self._by_key[e.key]
+        if not e.leases:
+            self._free_locked(e)
+
+    def _free_locked(self, e: Exposure) -> None:
+        if self._by_token.pop(e.token, None) is not None:
+            if self._by_key.get(e.key) == e.token:
+                del self._by_key[e.key]
+            e.buf.release()
+
+    # -- side-channel operations -----------------------------------------------------
+    def acquire(self, key: str, lease_s: float) -> dict[str, Any]:
+        with self._lock:
+            e = self._by_token.get(self._by_key.get(key, ""))
+            if e is None:
+                return {"ok": False, "reason": "not_found"}
+            if not e.unlimited and e.remaining - len(e.leases) <= 0:
+                return {"ok": False, "reason": "exhausted"}
+            lease = uuid.uuid4().hex
+            e.leases[lease] = time.monotonic() + lease_s + self.lease_slack_s
+            return {
+                "ok": True,
+                "token": e.token,
+                "lease": lease,
+                "src_addr": e.buf.address,
+                "data_size": e.size,
+                "is_fast_path": e.fast,
+                "dtype": e.dtype,
+                "shape": e.shape,
+            }
+
+    def release(self, token: str, lease: str | None, success: bool) -> dict[str, Any]:
+        """End a pull; ``ok`` is False when the block did not stay live for all of it."""
+        with self._lock:
+            e = self._by_token.get(token)
+            if e is None or (lease is not None and e.leases.pop(lease, None) is None):
+                return {"ok": False, "reason": "expired"}
+            if success and not e.unlimited:
+                e.remaining -= 1
+            done = not e.unlimited and e.remaining <= 0
+            if (done or e.retired) and not e.leases:
+                self._free_locked(e)
+            return {"ok": True}
+
+    def sweep(self) -> None:
+        """Drop leases past their deadline and free blocks past their TTL."""
+        now = time.monotonic()
+        with self._lock:
+            for e in list(self._by_token.values()):
+                for lease, deadline in list(e.leases.items()):
+                    if now > deadline:
+                        logger.warning(
+                            "a pull lease on %r expired: its receiver never finished", e.key
+                        )
+                        del e.leases[lease]
+                if e.leases:
+                    continue
+                if e.retired:
+                    self._free_locked(e)
+                elif now > e.expires:
+                    self.expired += 1
+                    logger.info("buffer %r was not pulled within %.0fs; freed", e.key, self.ttl_s)
+                    self._free_locked(e)
+
+    # -- owner operations ------------------------------------------------------------
+    def retain(self, key: str, pulls: int) -> bool:
+        with self._lock:
+            e = self._by_token.get(self._by_key.get(key, ""))
+            if e is None:
+                return False
+            e.remaining += pulls
+            e.expires = time.monotonic() + self.ttl_s
+            return True
+
+    def retire_where(self, match: Callable[[str], bool]) -> int:
+        with self._lock:
+            hits = [e for e in self._by_token.values() if not e.retired and match(e.key)]
+            for e in hits:
+                self._retire_locked(e)
+            return len(hits)
+
+    def free_all(self) -> None:
+        with self._lock:
+            for e in list(self._by_token.values()):
+                self._free_locked(e)
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "exposed_keys": len(self._by_key),
+                "exposed_blocks": len(self._by_token),
+                "active_leases": sum(len(e.leases) for e in self._by_token.values()),
+                "expired": self.expired,
+            }

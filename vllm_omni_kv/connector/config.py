@@ -1,0 +1,204 @@
+"""``kv_connector_extra_config`` of :class:`OmniKVConnector`: parsed and validated once.
+
+Every field is checked when the connector is constructed (engine start), so a
+typo or a bad value fails there with a message naming the field, never at the
+first request. Accepted fields::
+
+    backend              "shm" (default), "mooncake", any registered backend name or
+                         alias, or {"name": ..., "extra": {...}}
+    backend_extra        settings passed to the backend (mapping)
+    omni_transfer_config path to a YAML/JSON omni transfer config, or the mapping
+                         itself; its spec for the edge omni_from_stage -> omni_to_stage
+                         replaces ``backend``/``backend_extra``
+    omni_from_stage      producer stage name (default "prefill")
+    omni_to_stage        consumer stage name (default "decode")
+    recv_timeout         seconds a consumer waits for a payload before it gives
+                         up and reports the blocks as failed (default 30)
+    poll_interval        first backoff between two polls of the backend (default 0.001)
+    max_poll_interval    backoff cap (default 0.02)
+    source_tp_size       producer TP size (default: the value the producer advertises
+                         in kv_transfer_params, else this engine's TP size)
+    target_tp_size       consumer TP size (default: this engine's TP size)
+    load_threads         background threads receiving payloads (default 2)
+    send_ttl             seconds a producer keeps an unconsumed payload (default 300)
+    remote_host          host advertised to consumers (default: backend "host" or 127.0.0.1)
+    remote_port          port advertised to consumers (default: backend "zmq_port" or 0)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_omni_kv.backends.factory import OmniConnectorFactory
+from vllm_omni_kv.errors import ConfigError
+from vllm_omni_kv.transfer.config import ConnectorSpec, load_omni_transfer_config
+
+KNOWN_FIELDS: frozenset[str] = frozenset(
+    {
+        "backend",
+        "backend_extra",
+        "omni_transfer_config",
+        "omni_from_stage",
+        "omni_to_stage",
+        "recv_timeout",
+        "poll_interval",
+        "max_poll_interval",
+        "source_tp_size",
+        "target_tp_size",
+        "load_threads",
+        "send_ttl",
+        "remote_host",
+        "remote_port",
+    }
+)
+
+_WHERE = "kv_connector_extra_config"
+
+
+@dataclass(frozen=True)
+class OmniKVConfig:
+    """The validated settings of one :class:`OmniKVConnector`."""
+
+    backend: ConnectorSpec = field(default_factory=lambda: ConnectorSpec("shm"))
+    from_stage: str = "prefill"
+    to_stage: str = "decode"
+    recv_timeout: float = 30.0
+    poll_interval: float = 0.001
+    max_poll_interval: float = 0.02
+    source_tp_size: int | None = None
+    target_tp_size: int | None = None
+    load_threads: int = 2
+    send_ttl: float = 300.0
+    remote_host: str = "127.0.0.1"
+    remote_port: int = 0
+
+    @property
+    def backend_name(self) -> str:
+        return OmniConnectorFactory.resolve_name(self.backend.name)
+
+
+def _positive_float(raw: Mapping[str, Any], name: str, default: float) -> float:
+    value = raw.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ConfigError(f"{_WHERE}.{name} must be a number of seconds > 0, got {value!r}")
+    try:
+        out = float(value)
+    except ValueError:
+        raise ConfigError(
+            f"{_WHERE}.{name} must be a number of seconds > 0, got {value!r}"
+        ) from None
+    if not math.isfinite(out) or out <= 0:
+        raise ConfigError(f"{_WHERE}.{name} must be a number of seconds > 0, got {value!r}")
+    return out
+
+
+def _positive_int(raw: Mapping[str, Any], name: str, default: int | None) -> int | None:
+    value = raw.get(name, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ConfigError(f"{_WHERE}.{name} must be an integer >= 1, got {value!r}")
+    try:
+        out = int(value)
+    except ValueError:
+        raise ConfigError(f"{_WHERE}.{name} must be an integer >= 1, got {value!r}") from None
+    if out < 1:
+        raise ConfigError(f"{_WHERE}.{name} must be an integer >= 1, got {value!r}")
+    return out
+
+
+def _stage(raw: Mapping[str, Any], name: str, default: str) -> str:
+    value = raw.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (str, int)) or str(value) == "":
+        raise ConfigError(f"{_WHERE}.{name} must be a non-empty stage name, got {value!r}")
+    return str(value)
+
+
+def _backend_spec(raw: Mapping[str, Any], from_stage: str, to_stage: str) -> ConnectorSpec:
+    if raw.get("omni_transfer_config") is not None:
+        src = raw["omni_transfer_config"]
+        try:
+            if isinstance(src, Mapping):
+                cfg = load_omni_transfer_config(config_dict=dict(src))
+            elif isinstance(src, str):
+                cfg = load_omni_transfer_config(config_path=src)
+            else:
+                raise ConfigError(f"expected a file path or a mapping, got {type(src).__name__}")
+        except ConfigError as e:
+            raise ConfigError(f"{_WHERE}.omni_transfer_config: {e}") from None
+        spec = cfg.get_connector_for_edge(from_stage, to_stage) if cfg else None
+        if spec is None:
+            raise ConfigError(
+                f"{_WHERE}.omni_transfer_config has no connector for the edge "
+                f"{from_stage!r} -> {to_stage!r} and no default_connector; add one of them"
+            )
+        return ConnectorSpec(spec.name, dict(spec.extra))
+    backend = raw.get("backend", "shm")
+    extra = raw.get("backend_extra", {})
+    if isinstance(backend, Mapping):
+        if "name" not in backend:
+            raise ConfigError(f"{_WHERE}.backend.name is missing (e.g. 'shm' or 'mooncake')")
+        extra = {**dict(backend.get("extra") or {}), **dict(extra or {})}
+        backend = backend["name"]
+    if not isinstance(backend, str) or not backend:
+        raise ConfigError(f"{_WHERE}.backend must be a backend name like 'shm', got {backend!r}")
+    if not isinstance(extra, Mapping):
+        raise ConfigError(f"{_WHERE}.backend_extra must be a mapping, got {type(extra).__name__}")
+    return ConnectorSpec(backend, dict(extra))
+
+
+def parse_omni_kv_config(raw: Mapping[str, Any] | None) -> OmniKVConfig:
+    """Validate ``kv_connector_extra_config``; raise :class:`ConfigError` naming the field."""
+    raw = dict(raw or {})
+    unknown = sorted(set(raw) - KNOWN_FIELDS)
+    if unknown:
+        raise ConfigError(
+            f"{_WHERE} has unknown field(s) {unknown}; OmniKVConnector accepts "
+            f"{sorted(KNOWN_FIELDS)}"
+        )
+    from_stage = _stage(raw, "omni_from_stage", "prefill")
+    to_stage = _stage(raw, "omni_to_stage", "decode")
+    spec = _backend_spec(raw, from_stage, to_stage)
+    resolved = OmniConnectorFactory.resolve_name(spec.name)
+    if resolved not in OmniConnectorFactory.list_registered_connectors():
+        raise ConfigError(
+            f"{_WHERE}.backend {spec.name!r} is not a known backend; choose one of "
+            f"{OmniConnectorFactory.list_registered_connectors()} or an alias like 'shm'"
+        )
+    poll = _positive_float(raw, "poll_interval", 0.001)
+    max_poll = _positive_float(raw, "max_poll_interval", 0.02)
+    if max_poll < poll:
+        raise ConfigError(
+            f"{_WHERE}.max_poll_interval ({max_poll}) must be >= poll_interval ({poll})"
+        )
+    load_threads = _positive_int(raw, "load_threads", 2)
+    assert load_threads is not None
+    host = raw.get("remote_host", spec.extra.get("host", "127.0.0.1"))
+    if not isinstance(host, str) or not host:
+        raise ConfigError(f"{_WHERE}.remote_host must be a host name, got {host!r}")
+    port_raw = raw.get("remote_port", spec.extra.get("zmq_port", 0))
+    if isinstance(port_raw, bool) or not isinstance(port_raw, (int, str)):
+        raise ConfigError(f"{_WHERE}.remote_port must be a port number, got {port_raw!r}")
+    try:
+        port = int(port_raw)
+    except ValueError:
+        raise ConfigError(f"{_WHERE}.remote_port must be a port number, got {port_raw!r}") from None
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"{_WHERE}.remote_port must be in [0, 65535], got {port}")
+    return OmniKVConfig(
+        backend=spec,
+        from_stage=from_stage,
+        to_stage=to_stage,
+        recv_timeout=_positive_float(raw, "recv_timeout", 30.0),
+        poll_interval=poll,
+        max_poll_interval=max_poll,
+        source_tp_size=_positive_int(raw, "source_tp_size", None),
+        target_tp_size=_positive_int(raw, "target_tp_size", None),
+        load_threads=load_threads,
+        send_ttl=_positive_float(raw, "send_ttl", 300.0),
+        remote_host=host,
+        remote_port=port,
+    )

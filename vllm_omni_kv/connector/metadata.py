@@ -1,0 +1,115 @@
+"""What the scheduler half tells the worker half each step, and what comes back.
+
+Plain dataclasses of strings, ints and lists: vLLM ships them between its own
+processes together with the scheduler output.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import xxhash
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9.\-]")
+
+
+def transfer_id(engine_id: str, request_id: str) -> str:
+    """The id a producer stores one request's KV under (unique across engines)."""
+    return _UNSAFE.sub("-", f"{engine_id}.{request_id}")
+
+
+def prompt_digest(token_ids: list[int] | None) -> str:
+    """A short digest of the prompt tokens: both sides must hold the same prompt."""
+    h = xxhash.xxh3_64()
+    for t in token_ids or ():
+        h.update(int(t).to_bytes(4, "little", signed=True))
+    return h.hexdigest()
+
+
+@dataclass
+class SaveSpec:
+    """Producer: send the KV of the first ``num_tokens`` prompt tokens of a request."""
+
+    req_id: str
+    transfer_id: str
+    block_ids: list[int]
+    num_tokens: int
+    prompt_digest: str
+
+
+@dataclass
+class LoadSpec:
+    """Consumer: receive a remote prefill's KV into local blocks.
+
+    Tokens ``[num_local_tokens, num_local_tokens + num_load_tokens)`` of the
+    prompt are written into ``block_ids[num_local_tokens // block_size:]``;
+    the first ``num_local_tokens`` are already cached locally.
+    """
+
+    req_id: str
+    transfer_id: str
+    block_ids: list[int]
+    num_local_tokens: int
+    num_load_tokens: int
+    num_prompt_tokens: int
+    prompt_digest: str
+    source_tp_size: int | None = None
+    remote_host: str | None = None
+    remote_port: int | None = None
+
+
+@dataclass
+class DiscardSpec:
+    """Consumer: a remote payload that will never be loaded; drop it if it is there."""
+
+    req_id: str
+    transfer_id: str
+    source_tp_size: int | None = None
+    remote_host: str | None = None
+    remote_port: int | None = None
+
+
+@dataclass
+class OmniKVConnectorMetadata(KVConnectorMetadata):
+    """Scheduler -> worker: this step's saves, loads and discards."""
+
+    saves: list[SaveSpec] = field(default_factory=list)
+    loads: list[LoadSpec] = field(default_factory=list)
+    discards: list[DiscardSpec] = field(default_factory=list)
+
+    def is_empty(self) -> bool:
+        return not (self.saves or self.loads or self.discards)
+
+
+@dataclass
+class OmniKVWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler: per-request outcome of finished loads.
+
+    ``loads`` maps a request id to ``{"ok", "tokens", "bytes", "seconds", "error"}``.
+    """
+
+    loads: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, OmniKVWorkerMetadata):
+            return self
+        merged = {k: dict(v) for k, v in self.loads.items()}
+        for req_id, res in other.loads.items():
+            mine = merged.get(req_id)
+            if mine is None:
+                merged[req_id] = dict(res)
+                continue
+            # Several TP ranks: the request loaded only if every rank did.
+            mine["ok"] = bool(mine.get("ok")) and bool(res.get("ok"))
+            mine["bytes"] = int(mine.get("bytes", 0)) + int(res.get("bytes", 0))
+            mine["seconds"] = max(float(mine.get("seconds", 0)), float(res.get("seconds", 0)))
+            mine["tokens"] = min(int(mine.get("tokens", 0)), int(res.get("tokens", 0)))
+            if res.get("error") and not mine.get("error"):
+                mine["error"] = res["error"]
+        return OmniKVWorkerMetadata(loads=merged)

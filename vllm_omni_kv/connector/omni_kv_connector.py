@@ -1,0 +1,168 @@
+"""``OmniKVConnector``: vLLM's ``KVConnectorBase_V1`` over vllm-omni-kv backends.
+
+A thin shell: the scheduler process gets an :class:`OmniKVScheduler`, each
+worker an :class:`OmniKVWorker`, and every vLLM hook delegates to its half.
+
+Enable it with::
+
+    --kv-transfer-config '{"kv_connector": "OmniKVConnector", "kv_role": "kv_producer",
+                           "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {"backend": "shm"}}'
+
+(also loadable with ``"kv_connector_module_path":
+"vllm_omni_kv.connector.omni_kv_connector"``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
+)
+
+from vllm_omni_kv.connector.config import OmniKVConfig, parse_omni_kv_config
+from vllm_omni_kv.connector.metadata import OmniKVConnectorMetadata
+from vllm_omni_kv.connector.scheduler import OmniKVScheduler
+from vllm_omni_kv.connector.stats import OmniKVConnectorStats
+from vllm_omni_kv.connector.worker import OmniKVWorker
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+
+class OmniKVConnector(KVConnectorBase_V1):
+    """Prefill/decode KV transfer through shared memory, Mooncake TE or any omni backend."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)  # type: ignore[arg-type]
+        ktc = self._kv_transfer_config
+        self.omni_config: OmniKVConfig = parse_omni_kv_config(ktc.kv_connector_extra_config)
+        engine_id = str(ktc.engine_id)
+        self._sched: OmniKVScheduler | None = None
+        self._worker: OmniKVWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._sched = OmniKVScheduler(vllm_config, self.omni_config, engine_id)
+        else:
+            self._worker = OmniKVWorker(vllm_config, self.omni_config, engine_id)
+
+    # -- helpers ---------------------------------------------------------------------------
+    @property
+    def scheduler_half(self) -> OmniKVScheduler:
+        if self._sched is None:
+            raise RuntimeError("OmniKVConnector: scheduler-side method called on a worker")
+        return self._sched
+
+    @property
+    def worker_half(self) -> OmniKVWorker:
+        if self._worker is None:
+            raise RuntimeError("OmniKVConnector: worker-side method called in the scheduler")
+        return self._worker
+
+    def _meta(self) -> OmniKVConnectorMetadata | None:
+        meta = self._connector_metadata
+        return meta if isinstance(meta, OmniKVConnectorMetadata) else None
+
+    # -- worker side -----------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.worker_half.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self.worker_half.start_load_kv(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # Loads are asynchronous (between steps): nothing is pending for a forward pass.
+        return None
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        # The whole request is sent once its prefill completes (wait_for_save).
+        return None
+
+    def wait_for_save(self) -> None:
+        self.worker_half.wait_for_save(self._meta())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sending, recving = self.worker_half.get_transfer_results(finished_req_ids)
+        return sending or None, recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving = self.worker_half.get_transfer_results(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker_half.take_invalid_block_ids()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self.worker_half.take_worker_meta()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._worker is None:
+            return None
+        return self._worker.take_stats()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
+        return OmniKVConnectorStats(data=dict(data or {}))
+
+    # -- scheduler side --------------------------------------------------------------------
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self.scheduler_half.kv_cache_manager = kv_cache_manager
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        # A P/D transfer restores the request's own blocks in every transfer group.
+        return tuple(self._kv_cache_config.transfer_group_ids)
+
+    def on_new_request(self, request: Request) -> None:
+        self.scheduler_half.on_new_request(request)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self.scheduler_half.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self.scheduler_half.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self.scheduler_half.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self.scheduler_half.update_connector_output(connector_output)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler_half.request_finished(request, block_ids)

@@ -1,0 +1,243 @@
+"""Scheduler half of :class:`OmniKVConnector`: which requests save, load or discard KV.
+
+Protocol (NIXL's, so existing proxies and routers work unchanged):
+
+* producer: a request carrying ``kv_transfer_params={"do_remote_decode": True}``
+  is saved in the step that completes its prefill; ``request_finished`` keeps
+  its blocks (``delay_free=True``) until the worker reports it in
+  ``finished_sending`` and returns the params the consumer needs
+  (``do_remote_prefill``, ``remote_engine_id``, ``remote_request_id``...).
+* consumer: a request carrying those params loads every prompt token not
+  cached locally, asynchronously (``get_num_new_matched_tokens`` returns
+  ``(n, True)``); the worker reports it in ``finished_recving`` (and its blocks
+  as invalid when the load failed, so vLLM recomputes or fails it according
+  to ``kv_load_failure_policy``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm_omni_kv.connector.config import OmniKVConfig
+from vllm_omni_kv.connector.metadata import (
+    DiscardSpec,
+    LoadSpec,
+    OmniKVConnectorMetadata,
+    OmniKVWorkerMetadata,
+    SaveSpec,
+    prompt_digest,
+    transfer_id,
+)
+from vllm_omni_kv.logger import init_logger
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+
+#: Fields a consumer needs in ``kv_transfer_params`` to find the payload.
+REQUIRED_REMOTE_FIELDS = ("remote_engine_id", "remote_request_id")
+
+
+def _int_or_none(value: Any) -> int | None:
+    try:
+        return int(value) if value is not None else None
+    except (TypeError, ValueError):
+        return None
+
+
+class OmniKVScheduler:
+    """Bookkeeping in the scheduler process; no data moves here."""
+
+    def __init__(self, vllm_config: VllmConfig, cfg: OmniKVConfig, engine_id: str) -> None:
+        ktc = vllm_config.kv_transfer_config
+        assert ktc is not None
+        self.cfg = cfg
+        self.engine_id = engine_id
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.is_producer = bool(ktc.is_kv_producer)
+        self.is_consumer = bool(ktc.is_kv_consumer)
+        self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
+        self.kv_cache_manager: KVCacheManager | None = None
+        # producer: requests to save once their prefill completes
+        self._to_save: dict[str, Request] = {}
+        # producer: saves issued to the worker, until request_finished
+        self._saved: dict[str, SaveSpec] = {}
+        # consumer: loads to ship with the next metadata / in flight / outcomes
+        self._new_loads: list[LoadSpec] = []
+        self._loading: dict[str, LoadSpec] = {}
+        self._load_results: dict[str, dict[str, Any]] = {}
+        self._discards: list[DiscardSpec] = []
+
+    # -- helpers ------------------------------------------------------------------------
+    @staticmethod
+    def _wants_remote_prefill(request: Request) -> dict[str, Any] | None:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return None
+        return params
+
+    def _has_remote_fields(self, request: Request, params: dict[str, Any]) -> bool:
+        missing = [f for f in REQUIRED_REMOTE_FIELDS if not params.get(f)]
+        if missing:
+            logger.warning(
+                "request %s: kv_transfer_params with do_remote_prefill lack %s; its prompt is "
+                "computed locally. Pass the kv_transfer_params the producer returned unchanged.",
+                request.request_id,
+                missing,
+            )
+            return False
+        return True
+
+    @staticmethod
+    def _remote_tid(params: dict[str, Any]) -> str:
+        tid = params.get("remote_transfer_id")
+        if isinstance(tid, str) and tid:
+            return tid
+        return transfer_id(str(params["remote_engine_id"]), str(params["remote_request_id"]))
+
+    def _discard(self, request: Request, params: dict[str, Any]) -> None:
+        self._discards.append(
+            DiscardSpec(
+                req_id=request.request_id,
+                transfer_id=self._remote_tid(params),
+                source_tp_size=_int_or_none(params.get("tp_size")),
+                remote_host=params.get("remote_host"),
+                remote_port=_int_or_none(params.get("remote_port")),
+            )
+        )
+
+    # -- vLLM scheduler-side API ----------------------------------------------------------
+    def on_new_request(self, request: Request) -> None:
+        params = request.kv_transfer_params
+        if self.is_producer and params and params.get("do_remote_decode"):
+            self._to_save[request.request_id] = request
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        params = self._wants_remote_prefill(request)
+        if params is None or not self.is_consumer:
+            return 0, False
+        if not self._has_remote_fields(request, params):
+            return 0, False
+        count = int(request.num_prompt_tokens) - int(num_computed_tokens)
+        if count > 0:
+            return count, True
+        return 0, False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        params = self._wants_remote_prefill(request)
+        if params is None or not self.is_consumer:
+            return
+        if not self._has_remote_fields(request, params):
+            params["do_remote_prefill"] = False
+            return
+        if num_external_tokens > 0:
+            block_ids = list(blocks.get_block_ids()[0])
+            num_prompt = int(request.num_prompt_tokens)
+            spec = LoadSpec(
+                req_id=request.request_id,
+                transfer_id=self._remote_tid(params),
+                block_ids=block_ids,
+                num_local_tokens=num_prompt - int(num_external_tokens),
+                num_load_tokens=int(num_external_tokens),
+                num_prompt_tokens=num_prompt,
+                prompt_digest=prompt_digest(request.prompt_token_ids),
+                source_tp_size=_int_or_none(params.get("tp_size")),
+                remote_host=params.get("remote_host"),
+                remote_port=_int_or_none(params.get("remote_port")),
+            )
+            self._new_loads.append(spec)
+            self._loading[request.request_id] = spec
+        else:
+            # Everything is cached locally: drop the producer's copy.
+            self._discard(request, params)
+        # One transfer per request, even if it is preempted and rescheduled later.
+        params["do_remote_prefill"] = False
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OmniKVConnectorMetadata:
+        meta = OmniKVConnectorMetadata(loads=self._new_loads, discards=self._discards)
+        self._new_loads = []
+        self._discards = []
+        if self._to_save:
+            block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+            for req_id, n_sched in scheduler_output.num_scheduled_tokens.items():
+                request = self._to_save.get(req_id)
+                if request is None:
+                    continue
+                n_prompt = int(request.num_prompt_tokens)
+                if int(request.num_computed_tokens) + int(n_sched) < n_prompt:
+                    continue  # a chunk of a longer prefill: save with its last chunk
+                groups = block_state.get_block_ids(req_id) if block_state is not None else None
+                if groups is None and self.kv_cache_manager is not None:
+                    groups = self.kv_cache_manager.get_block_ids(req_id)
+                if groups is None:
+                    logger.error("request %s: no block table to save its KV from", req_id)
+                    continue
+                n_blocks = -(-n_prompt // self.block_size)
+                spec = SaveSpec(
+                    req_id=req_id,
+                    transfer_id=transfer_id(self.engine_id, req_id),
+                    block_ids=list(groups[0][:n_blocks]),
+                    num_tokens=n_prompt,
+                    prompt_digest=prompt_digest(request.prompt_token_ids),
+                )
+                meta.saves.append(spec)
+                self._saved[req_id] = spec
+                del self._to_save[req_id]
+        return meta
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        wm = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(wm, OmniKVWorkerMetadata):
+            for req_id, res in wm.loads.items():
+                if req_id in self._loading:
+                    self._load_results[req_id] = res
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        req_id = request.request_id
+        self._to_save.pop(req_id, None)
+        spec = self._saved.pop(req_id, None)
+        if spec is not None:
+            # The worker reports every saved request in finished_sending once it is
+            # finished, so its blocks are held until then, whatever the outcome.
+            if request.status not in (
+                RequestStatus.FINISHED_LENGTH_CAPPED,
+                RequestStatus.FINISHED_STOPPED,
+            ):
+                return True, None
+            return True, {
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "remote_engine_id": self.engine_id,
+                "remote_request_id": req_id,
+                "remote_transfer_id": spec.transfer_id,
+                "remote_host": self.cfg.remote_host,
+                "remote_port": self.cfg.remote_port,
+                "remote_block_ids": spec.block_ids,
+                "remote_num_tokens": spec.num_tokens,
+                "tp_size": self.tp_size,
+                "omni_from_stage": self.cfg.from_stage,
+                "omni_to_stage": self.cfg.to_stage,
+            }
+        load = self._loading.pop(req_id, None)
+        if load is not None:
+            res = self._load_results.pop(req_id, None)
+            return False, {"omni_kv_load": res if res is not None else {"ok": False}}
+        params = self._wants_remote_prefill(request)
+        if params is not None and self.is_consumer and self._has_remote_fields(request, params):
+            # Finished (aborted) before its blocks were allocated: drop the payload.
+            self._discard(request, params)
+            params["do_remote_prefill"] = False
+        return False, None
