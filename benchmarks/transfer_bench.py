@@ -28,6 +28,7 @@ import torch
 from vllm_omni_kv.backends.shm import SharedMemoryConnector
 from vllm_omni_kv.transfer.extract import extract_request_kv, inject_request_kv
 from vllm_omni_kv.transfer.payload import KVCacheTransferData
+from vllm_omni_kv.transfer.raw_blocks import extract_request_blocks, inject_request_blocks
 
 LAYERS, HEADS, DIM, BS = 8, 8, 128, 32
 DTYPE = torch.bfloat16
@@ -74,7 +75,20 @@ def _row(path: str, nbytes: int, seconds: float, memcpy_s: float, **extra: Any) 
 # -- the two-process shared-memory move --------------------------------------------------------
 
 
-def _consumer(ns: str, tokens: int, repeats: int, conn_pipe: Any) -> None:
+def _extract(fmt: str, key: str, ids: list[int], tokens: int, caches: list[torch.Tensor]) -> Any:
+    if fmt == "blocks":
+        return extract_request_blocks(key, ids, tokens, caches)
+    return extract_request_kv(key, ids, tokens, caches)
+
+
+def _inject(fmt: str, data: Any, caches: list[torch.Tensor], ids: list[int]) -> None:
+    if fmt == "blocks":
+        inject_request_blocks(data, caches, ids)
+    else:
+        inject_request_kv(data, caches, ids)
+
+
+def _consumer(ns: str, fmt: str, tokens: int, repeats: int, conn_pipe: Any) -> None:
     torch.set_num_threads(1)
     caches, ids = _paged_caches(tokens, seed=99)  # the consumer's own cache, other block ids
     rx = SharedMemoryConnector({"namespace": ns})
@@ -84,7 +98,7 @@ def _consumer(ns: str, tokens: int, repeats: int, conn_pipe: Any) -> None:
             while (got := rx.get("prefill", "decode", key)) is None:
                 pass  # spin: we are measuring latency, not politeness
             data, _size = got
-            inject_request_kv(data, caches, ids)
+            _inject(fmt, data, caches, ids)
             t_done = time.perf_counter()
             del data, got
             conn_pipe.send(t_done)
@@ -93,14 +107,14 @@ def _consumer(ns: str, tokens: int, repeats: int, conn_pipe: Any) -> None:
         conn_pipe.close()
 
 
-def shm_move(nbytes_target: int, repeats: int) -> tuple[float, int]:
+def shm_move(nbytes_target: int, repeats: int, fmt: str = "blocks") -> tuple[float, int]:
     """Median seconds from the producer's extract+put start to the consumer's inject end."""
     tokens = _tokens_for(nbytes_target >> 20)
     caches, ids = _paged_caches(tokens, seed=1)
     ns = f"bench{os.getpid()}"
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_consumer, args=(ns, tokens, repeats, child))
+    proc = ctx.Process(target=_consumer, args=(ns, fmt, tokens, repeats, child))
     proc.start()
     tx = SharedMemoryConnector({"namespace": ns})
     times = []
@@ -109,7 +123,7 @@ def shm_move(nbytes_target: int, repeats: int) -> tuple[float, int]:
         for i in range(repeats + 1):
             time.sleep(0.05)  # let the consumer reach its spin loop
             t0 = time.perf_counter()
-            data = extract_request_kv(f"req{i}", ids, tokens, caches)
+            data = _extract(fmt, f"req{i}", ids, tokens, caches)
             _ok, size, _ = tx.put("prefill", "decode", f"req{i}", data)
             t_done = parent.recv()
             if i:  # the first round allocates the arena: warm-up
@@ -132,21 +146,23 @@ def measure_size(mib: int, repeats: int) -> list[dict[str, Any]]:
     dst.copy_(src)
     memcpy_s = _median_seconds(lambda: dst.copy_(src), repeats * 2)
     rows = [_row("memcpy", nbytes, memcpy_s, memcpy_s)]
-    frame = extract_request_kv("r", ids, tokens, caches).frame()
+    frame = extract_request_blocks("r", ids, tokens, caches).frame()
     buf = bytearray(frame.nbytes)
     frame.pack_into(buf)
     pack_s = _median_seconds(lambda: frame.pack_into(buf), repeats)
-    rows.append(_row("pack (gather+checksum)", frame.nbytes, pack_s, memcpy_s))
+    rows.append(_row("pack blocks (gather+checksum)", frame.nbytes, pack_s, memcpy_s))
     unpack_s = _median_seconds(lambda: KVCacheTransferData.from_bytes(buf), repeats)
     rows.append(_row("unpack (verify, views)", frame.nbytes, unpack_s, memcpy_s))
     unpack_nv = _median_seconds(lambda: KVCacheTransferData.from_bytes(buf, verify=False), repeats)
     rows.append(_row("unpack (no verify, views)", frame.nbytes, unpack_nv, memcpy_s))
-    move_s, size = shm_move(nbytes, repeats)
-    rows.append(_row("shm move (cache->cache, 2 procs)", size, move_s, memcpy_s))
+    move_s, size = shm_move(nbytes, repeats, "blocks")
+    rows.append(_row("shm move, block format (cache->cache, 2 procs)", size, move_s, memcpy_s))
+    tok_s, tok_size = shm_move(nbytes, repeats, "tokens")
+    rows.append(_row("shm move, token format (cache->cache, 2 procs)", tok_size, tok_s, memcpy_s))
     print(
         f"{mib:4d} MiB  memcpy {nbytes / memcpy_s / 1e9:6.2f} GB/s | pack {frame.nbytes / pack_s / 1e9:6.2f}"
-        f" | unpack {frame.nbytes / unpack_s / 1e9:6.2f} | shm move {size / move_s / 1e9:6.2f} GB/s"
-        f" = {memcpy_s / move_s:.0%} of memcpy",
+        f" | unpack {frame.nbytes / unpack_s / 1e9:6.2f} | shm move blocks {size / move_s / 1e9:6.2f} GB/s"
+        f" = {memcpy_s / move_s:.0%} of memcpy | tokens {tok_size / tok_s / 1e9:6.2f} GB/s",
         flush=True,
     )
     return rows

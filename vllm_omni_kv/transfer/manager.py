@@ -32,6 +32,7 @@ from vllm_omni_kv.transfer.kv_utils import (
     validate_kv_tp_topology,
 )
 from vllm_omni_kv.transfer.payload import KVCacheTransferData
+from vllm_omni_kv.transfer.raw_blocks import blocks_to_tokens, is_block_payload
 
 logger = init_logger(__name__)
 
@@ -390,7 +391,7 @@ class OmniKVTransferManager:
                 )
                 return None, 0
             obj, size = got
-            payloads.append(obj)
+            payloads.append(blocks_to_tokens(obj) if is_block_payload(obj) else obj)
             total += size
         data: dict[str, Any] | None
         if len(payloads) > 1:

@@ -1,0 +1,214 @@
+"""Block-format KV payloads: a request's whole paged blocks, copied byte for byte.
+
+When producer and consumer run the same attention backend (same layout, dtype,
+block size and head shard), exchanging raw blocks is the cheapest move: one
+memcpy per block on each side, no per-token transposition (vLLM's CPU kernel
+stores K transposed inside a block). Consumers that need ``[seq, heads, dim]``
+(a diffusion stage) convert with :func:`blocks_to_tokens`, which
+``OmniKVTransferManager`` does on receive.
+
+Payload: ``layer_blocks = {"kv_blocks": [raw per layer, None for skipped layers]}``
+where ``raw`` is the layer's cache restricted to the request's blocks, in the
+layer's own layout (cpu ``[n, h, bs, 2d]``, flash ``[2, n, bs, h, d]``, flashinfer
+``[n, 2, bs, h, d]``); ``metadata`` carries ``format="blocks"``, ``kv_layout``,
+``block_size`` and ``num_tokens``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from vllm_omni_kv.errors import ConfigError, KVPayloadError
+from vllm_omni_kv.transfer.blocks import gather_request_kv
+from vllm_omni_kv.transfer.codec import LazyTensor
+from vllm_omni_kv.transfer.kv_utils import detect_kv_layout, normalize_layer_kv
+from vllm_omni_kv.transfer.payload import KVCacheTransferData
+
+BLOCK_DIM = {"cpu": 0, "flashinfer": 0, "flash": 1}
+FORMAT_BLOCKS = "blocks"
+
+
+def _block_dim(layout: str) -> int:
+    if layout not in BLOCK_DIM:
+        raise ConfigError(
+            f"block-format payloads need a single-tensor KV layout ({', '.join(BLOCK_DIM)}); "
+            f"got {layout!r}: use the token format instead"
+        )
+    return BLOCK_DIM[layout]
+
+
+def _memmove_ok(cache: torch.Tensor, other: torch.Tensor, dim: int) -> bool:
+    return (
+        dim == 0
+        and cache.device.type == "cpu"
+        and other.device.type == "cpu"
+        and cache.is_contiguous()
+        and other.is_contiguous()
+        and cache.dtype == other.dtype
+    )
+
+
+def gather_blocks(cache: torch.Tensor, layout: str, ids: list[int], out: torch.Tensor) -> None:
+    """Copy blocks ``ids`` of ``cache`` into ``out`` (their raw layout, block dim first/second)."""
+    dim = _block_dim(layout)
+    if _memmove_ok(cache, out, dim):
+        per = cache[0].numel() * cache.element_size()
+        base, dst = cache.data_ptr(), out.data_ptr()
+        for j, b in enumerate(ids):
+            ctypes.memmove(dst + j * per, base + b * per, per)
+        return
+    idx = torch.tensor(ids, dtype=torch.long, device=cache.device)
+    if out.device == cache.device:
+        torch.index_select(cache, dim, idx, out=out)
+    else:  # e.g. a GPU cache packed into a host buffer
+        out.copy_(torch.index_select(cache, dim, idx))
+
+
+def scatter_blocks(cache: torch.Tensor, layout: str, ids: list[int], src: torch.Tensor) -> None:
+    """Write raw blocks ``src`` into blocks ``ids`` of ``cache``."""
+    dim = _block_dim(layout)
+    if _memmove_ok(cache, src, dim):
+        per = cache[0].numel() * cache.element_size()
+        base, s = cache.data_ptr(), src.data_ptr()
+        for j, b in enumerate(ids):
+            ctypes.memmove(base + b * per, s + j * per, per)
+        return
+    idx = torch.tensor(ids, dtype=torch.long, device=cache.device)
+    cache.index_copy_(dim, idx, src.to(cache.device))
+
+
+def _layout_of(layer: torch.Tensor, layout: str | None) -> str:
+    found = layout or detect_kv_layout(layer)
+    _block_dim(found)
+    return found
+
+
+def extract_request_blocks(
+    request_id: str,
+    block_ids: Sequence[int],
+    num_tokens: int,
+    kv_caches: Sequence[torch.Tensor | None],
+    *,
+    layout: str | None = None,
+    metadata: dict[str, Any] | None = None,
+) -> KVCacheTransferData:
+    """A block-format payload of the blocks holding ``num_tokens`` tokens (lazy: one copy at pack time)."""
+    first = next((c for c in kv_caches if c is not None), None)
+    if first is None:
+        raise KVPayloadError(f"request {request_id}: no layer has a KV cache")
+    lay = _layout_of(first, layout)
+    dim = BLOCK_DIM[lay]
+    bs = int(first.shape[2])  # the block-size axis is dim 2 in every supported layout
+    needed = -(-int(num_tokens) // bs)
+    ids = [int(b) for b in block_ids][:needed]
+    if needed <= 0 or len(ids) < needed:
+        raise KVPayloadError(
+            f"request {request_id}: {num_tokens} tokens need {needed} blocks of {bs}, got {len(block_ids)}"
+        )
+    nblocks = int(first.shape[dim])
+    if min(ids) < 0 or max(ids) >= nblocks:
+        raise KVPayloadError(f"request {request_id}: block id out of range [0, {nblocks})")
+    layers: list[Any] = []
+    for cache in kv_caches:
+        if cache is None:
+            layers.append(None)
+            continue
+        shape = list(cache.shape)
+        shape[dim] = needed
+
+        def fill(dst: torch.Tensor, cache: torch.Tensor = cache) -> None:
+            gather_blocks(cache, lay, ids, dst)
+
+        layers.append(LazyTensor(tuple(shape), cache.dtype, fill, cache.device))
+    meta = {
+        **(metadata or {}),
+        "format": FORMAT_BLOCKS,
+        "kv_layout": lay,
+        "block_size": bs,
+        "num_tokens": int(num_tokens),
+        "num_layers": len(layers),
+    }
+    return KVCacheTransferData(request_id, {"kv_blocks": layers}, ids, meta)
+
+
+def is_block_payload(data: dict[str, Any] | None) -> bool:
+    return bool(data) and (data.get("metadata") or {}).get("format") == FORMAT_BLOCKS  # type: ignore[union-attr]
+
+
+def _check_block_payload(data: dict[str, Any]) -> tuple[list[Any], str, int, int]:
+    meta = data.get("metadata") or {}
+    layers = (data.get("layer_blocks") or {}).get("kv_blocks")
+    lay, bs, n = meta.get("kv_layout"), meta.get("block_size"), meta.get("num_tokens")
+    if not isinstance(layers, list) or lay not in BLOCK_DIM:
+        raise KVPayloadError("block-format payload lacks kv_blocks or a known kv_layout")
+    if not (isinstance(bs, int) and bs > 0 and isinstance(n, int) and n >= 0):
+        raise KVPayloadError("block-format payload lacks block_size/num_tokens")
+    return layers, str(lay), bs, n
+
+
+def inject_request_blocks(
+    data: dict[str, Any],
+    kv_caches: Sequence[torch.Tensor | None],
+    block_ids: Sequence[int],
+    *,
+    layout: str | None = None,
+) -> int:
+    """Write a block-format payload into the consumer's blocks ``block_ids``; return its token count.
+
+    Raises ``KVPayloadError`` when the payload's layout, dtype or block shape
+    differs from the local cache (then use the token format).
+    """
+    layers, lay, bs, n = _check_block_payload(data)
+    if len(layers) != len(kv_caches):
+        raise KVPayloadError(
+            f"payload has {len(layers)} layers, the local model has {len(kv_caches)}"
+        )
+    dim = BLOCK_DIM[lay]
+    needed = -(-n // bs)
+    ids = [int(b) for b in block_ids][:needed]
+    if len(ids) < needed:
+        raise KVPayloadError(f"{n} tokens need {needed} local blocks, {len(block_ids)} given")
+    for i, (src, cache) in enumerate(zip(layers, kv_caches, strict=True)):
+        if cache is None:
+            continue
+        if src is None:
+            raise KVPayloadError(f"payload has no KV for layer {i}, which the local model needs")
+        local = _layout_of(cache, layout)
+        want = list(cache.shape)
+        want[dim] = needed
+        if local != lay or list(src.shape) != want or src.dtype != cache.dtype:
+            raise KVPayloadError(
+                f"layer {i}: payload blocks {lay} {tuple(src.shape)} {src.dtype} do not fit the local "
+                f"cache {local} {tuple(want)} {cache.dtype} (same backend, dtype, block size and TP?)"
+            )
+        scatter_blocks(cache, lay, ids, src)
+    return n
+
+
+def blocks_to_tokens(data: dict[str, Any]) -> dict[str, Any]:
+    """Convert a block-format payload to the token format (``[seq, heads, dim]`` per layer)."""
+    layers, lay, _bs, n = _check_block_payload(data)
+    keys: list[Any] = []
+    values: list[Any] = []
+    for i, raw in enumerate(layers):
+        if raw is None:
+            keys.append(None)
+            values.append(None)
+            continue
+        kv = normalize_layer_kv(raw, req_id=str(data.get("request_id")), layer_idx=i, layout=lay)
+        if kv is None:
+            raise KVPayloadError(f"layer {i}: block payload does not match layout {lay}")
+        ids = list(range(int(kv[0].shape[0])))
+        keys.append(gather_request_kv(kv[0], ids, n))
+        values.append(gather_request_kv(kv[1], ids, n))
+    meta = {**(data.get("metadata") or {}), "format": "tokens", "seq_len": n}
+    return {
+        "request_id": data.get("request_id"),
+        "layer_blocks": {"key_cache": keys, "value_cache": values},
+        "block_ids": data.get("block_ids", []),
+        "metadata": meta,
+    }
