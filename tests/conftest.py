@@ -6,21 +6,13 @@ import os
 from pathlib import Path
 
 import pytest
+from _models import tiny_model
 
-from vllm_omni_kv.testing.tiny_model import TinyModelSpec, write_tiny_model
-
-REPO = Path(__file__).resolve().parents[1]
-MODEL_CACHE = Path(os.environ.get("OMNIKV_MODEL_CACHE", REPO / ".cache" / "tiny-models"))
 SHM_PREFIX = "omnikv"
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-
-
-def tiny_model(spec: TinyModelSpec | None = None) -> Path:
-    spec = spec or TinyModelSpec()
-    return write_tiny_model(MODEL_CACHE / f"llama-{spec.fingerprint()}", spec)
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import REPO, tiny_model
+from _models import REPO, tiny_model
 
 from vllm_omni_kv import OmniKVTransferManager
 from vllm_omni_kv.testing.tiny_model import TinyModelSpec

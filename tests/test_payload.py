@@ -253,3 +253,25 @@ def test_fuzz_mutated_frames_never_decode_wrong_data(flips):
 )
 def test_fuzz_plain_objects_round_trip(obj):
     assert codec.decode(codec.encode(obj).to_bytearray()) == obj
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (runs on GPU machines)")
+def test_device_frame_stays_on_the_accelerator():
+    src = _kv()
+    cuda = KVCacheTransferData(
+        src.request_id,
+        {n: [t.cuda() if t is not None else None for t in ls] for n, ls in src.layer_blocks.items()},
+        src.block_ids,
+        src.metadata,
+    )
+    packed = cuda.to_gpu_tensor()
+    assert packed.is_cuda and packed.dtype == torch.uint8
+    out = KVCacheTransferData.from_bytes_gpu(packed)
+    k0 = out["layer_blocks"]["key_cache"][0]
+    assert k0.is_cuda and k0.data_ptr() >= packed.data_ptr()  # a view, no copy
+    assert torch.equal(k0.cpu(), src.layer_blocks["key_cache"][0])
+    # host decoding of an accelerator frame needs an explicit opt-out of the checksum
+    host = packed.cpu()
+    with pytest.raises(KVPayloadError, match="no checksum"):
+        KVCacheTransferData.from_bytes(host.numpy())
+    assert KVCacheTransferData.from_bytes(host.numpy(), verify=False)["block_ids"] == src.block_ids
