@@ -7,7 +7,6 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
@@ -20,6 +19,7 @@ from vllm_omni_kv.logger import init_logger
 from vllm_omni_kv.transfer import distributed
 from vllm_omni_kv.transfer.config import ConnectorSpec
 from vllm_omni_kv.transfer.extract import extract_request_kv
+from vllm_omni_kv.transfer.kv_config import OmniKVCacheConfig, config_from_omni_kv, field_of
 from vllm_omni_kv.transfer.kv_utils import (
     KVTPTopology,
     LayerKV,
@@ -35,70 +35,6 @@ from vllm_omni_kv.transfer.payload import KVCacheTransferData
 from vllm_omni_kv.transfer.raw_blocks import blocks_to_tokens, is_block_payload
 
 logger = init_logger(__name__)
-
-
-@dataclass
-class OmniKVCacheConfig:
-    """Configuration for :class:`OmniKVTransferManager`.
-
-    ``local_rank`` (beyond the reference) pins this process's TP rank; by
-    default it comes from vLLM's TP group (0 outside vLLM). ``send_retries``
-    and ``retry_backoff`` bound the send retry loop.
-    """
-
-    connector_config: dict[str, Any] | None = None
-    from_stage: str | None = None
-    to_stage: str | None = None
-    stage_id: str | int | None = None
-    engine_input_source: list[str | int] | None = None
-    need_recv_cache: bool = False
-    need_send_cache: bool = False
-    recv_timeout: float = 30.0
-    from_tp: int = 1
-    to_tp: int = 1
-    local_rank: int | None = None
-    send_retries: int = 3
-    retry_backoff: float = 0.05
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.recv_timeout, (int, float)) or self.recv_timeout <= 0:
-            raise ConfigError(f"recv_timeout must be a positive number, got {self.recv_timeout!r}")
-        for name in ("from_tp", "to_tp"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"rank_mapping.{name} must be an int >= 1, got {value!r}")
-        if self.send_retries < 1:
-            raise ConfigError(f"send_retries must be >= 1, got {self.send_retries}")
-        if self.connector_config is not None and not isinstance(self.connector_config, dict):
-            raise ConfigError("connector_config must be a mapping with a 'type' (backend name)")
-
-
-def _get(obj: Any, key: str, default: Any = None) -> Any:
-    if isinstance(obj, dict):
-        return obj.get(key, default)
-    return getattr(obj, key, default)
-
-
-def _config_from_omni_dict(kv: Any, stage_id: Any = None) -> OmniKVCacheConfig:
-    rank_mapping = _get(kv, "rank_mapping") or {}
-    return OmniKVCacheConfig(
-        connector_config=_get(kv, "connector_config"),
-        from_stage=_opt_str(_get(kv, "omni_from_stage")),
-        to_stage=_opt_str(_get(kv, "omni_to_stage")),
-        stage_id=_get(kv, "stage_id", stage_id),
-        engine_input_source=_get(kv, "engine_input_source"),
-        need_send_cache=bool(_get(kv, "need_send_cache", False)),
-        need_recv_cache=bool(_get(kv, "need_recv_cache", False)),
-        recv_timeout=float(_get(kv, "recv_timeout", 30.0)),
-        from_tp=int(_get(rank_mapping, "from_tp", 1)),
-        to_tp=int(_get(rank_mapping, "to_tp", 1)),
-        local_rank=_get(kv, "local_rank"),
-    )
-
-
-def _opt_str(v: Any) -> str | None:
-    return None if v is None else str(v)
 
 
 class OmniKVTransferManager:
@@ -132,10 +68,10 @@ class OmniKVTransferManager:
     @classmethod
     def from_od_config(cls, config: Any) -> OmniKVTransferManager:
         """Create from a stage config carrying ``omni_kv_config`` (model or OmniDiffusion config)."""
-        kv = _get(config, "omni_kv_config")
+        kv = field_of(config, "omni_kv_config")
         if kv is None:
             return cls(OmniKVCacheConfig())
-        return cls(_config_from_omni_dict(kv, stage_id=_get(config, "stage_id")))
+        return cls(config_from_omni_kv(kv, stage_id=field_of(config, "stage_id")))
 
     from_model_config = from_od_config
 
@@ -143,17 +79,17 @@ class OmniKVTransferManager:
     def from_vllm_config(cls, vllm_config: Any, model_config: Any) -> OmniKVTransferManager:
         """Create from ``model_config.omni_kv_config``, else from ``kv_transfer_config``'s
         ``kv_connector_extra_config`` (``omni_connector_config`` plus the stage keys)."""
-        if model_config is not None and _get(model_config, "omni_kv_config") is not None:
+        if model_config is not None and field_of(model_config, "omni_kv_config") is not None:
             return cls.from_od_config(model_config)
-        ktc = _get(vllm_config, "kv_transfer_config")
-        extra = dict(_get(ktc, "kv_connector_extra_config") or {}) if ktc is not None else {}
+        ktc = field_of(vllm_config, "kv_transfer_config")
+        extra = dict(field_of(ktc, "kv_connector_extra_config") or {}) if ktc is not None else {}
         if "omni_connector_config" not in extra:
             return cls(OmniKVCacheConfig())
         kv = {**extra, "connector_config": extra["omni_connector_config"]}
-        role = _get(ktc, "kv_role")
+        role = field_of(ktc, "kv_role")
         kv.setdefault("need_send_cache", role in ("kv_producer", "kv_both"))
         kv.setdefault("need_recv_cache", role in ("kv_consumer", "kv_both"))
-        return cls(_config_from_omni_dict(kv))
+        return cls(config_from_omni_kv(kv))
 
     # -- connector lifecycle ---------------------------------------------------------------
     @property

@@ -1,0 +1,72 @@
+"""``OmniKVCacheConfig``: the manager's settings, and parsing of vllm-omni stage configs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_omni_kv.errors import ConfigError
+
+
+@dataclass
+class OmniKVCacheConfig:
+    """Configuration for :class:`OmniKVTransferManager`.
+
+    ``local_rank`` (beyond the reference) pins this process's TP rank; by
+    default it comes from vLLM's TP group (0 outside vLLM). ``send_retries``
+    and ``retry_backoff`` bound the send retry loop.
+    """
+
+    connector_config: dict[str, Any] | None = None
+    from_stage: str | None = None
+    to_stage: str | None = None
+    stage_id: str | int | None = None
+    engine_input_source: list[str | int] | None = None
+    need_recv_cache: bool = False
+    need_send_cache: bool = False
+    recv_timeout: float = 30.0
+    from_tp: int = 1
+    to_tp: int = 1
+    local_rank: int | None = None
+    send_retries: int = 3
+    retry_backoff: float = 0.05
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.recv_timeout, (int, float)) or self.recv_timeout <= 0:
+            raise ConfigError(f"recv_timeout must be a positive number, got {self.recv_timeout!r}")
+        for name in ("from_tp", "to_tp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"rank_mapping.{name} must be an int >= 1, got {value!r}")
+        if self.send_retries < 1:
+            raise ConfigError(f"send_retries must be >= 1, got {self.send_retries}")
+        if self.connector_config is not None and not isinstance(self.connector_config, dict):
+            raise ConfigError("connector_config must be a mapping with a 'type' (backend name)")
+
+
+def field_of(obj: Any, key: str, default: Any = None) -> Any:
+    if isinstance(obj, dict):
+        return obj.get(key, default)
+    return getattr(obj, key, default)
+
+
+def config_from_omni_kv(kv: Any, stage_id: Any = None) -> OmniKVCacheConfig:
+    rank_mapping = field_of(kv, "rank_mapping") or {}
+    return OmniKVCacheConfig(
+        connector_config=field_of(kv, "connector_config"),
+        from_stage=_opt_str(field_of(kv, "omni_from_stage")),
+        to_stage=_opt_str(field_of(kv, "omni_to_stage")),
+        stage_id=field_of(kv, "stage_id", stage_id),
+        engine_input_source=field_of(kv, "engine_input_source"),
+        need_send_cache=bool(field_of(kv, "need_send_cache", False)),
+        need_recv_cache=bool(field_of(kv, "need_recv_cache", False)),
+        recv_timeout=float(field_of(kv, "recv_timeout", 30.0)),
+        from_tp=int(field_of(rank_mapping, "from_tp", 1)),
+        to_tp=int(field_of(rank_mapping, "to_tp", 1)),
+        local_rank=field_of(kv, "local_rank"),
+    )
+
+
+def _opt_str(v: Any) -> str | None:
+    return None if v is None else str(v)
