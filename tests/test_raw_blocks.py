@@ -71,6 +71,14 @@ def test_cpu_blocks_to_tokens_matches_independent_reference():
         assert tokens["metadata"]["seq_len"] == SEQ
 
 
+def test_connector_style_metadata_is_understood():
+    got = _wire(extract_request_blocks("r", IDS, SEQ, _caches("cpu")))
+    meta = dict(got["metadata"])
+    meta["layouts"] = [meta.pop("kv_layout")] * 3  # how the vLLM connector labels it
+    tokens = blocks_to_tokens({**got, "metadata": meta})
+    assert tokens["layer_blocks"]["key_cache"][0].shape == (SEQ, HEADS, 64)
+
+
 def test_block_payload_is_one_block_per_ceil_tokens():
     data = extract_request_blocks("r", IDS + [11, 10], SEQ, _caches("cpu"))
     assert data.block_ids == IDS  # only the blocks that hold the tokens

@@ -34,10 +34,19 @@ if __name__ == "__main__":
             "omni_to_stage": "dit",
         },
     )
-    llm = LLM(model=a.model, dtype=a.dtype, max_model_len=1024, block_size=32, enforce_eager=True,
-              seed=0, kv_transfer_config=ktc, gpu_memory_utilization=0.5)
-    sp = SamplingParams(temperature=0, max_tokens=1,
-                        extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+    llm = LLM(
+        model=a.model,
+        dtype=a.dtype,
+        max_model_len=1024,
+        block_size=32,
+        enforce_eager=True,
+        seed=0,
+        kv_transfer_config=ktc,
+        gpu_memory_utilization=0.5,
+    )
+    sp = SamplingParams(
+        temperature=0, max_tokens=1, extra_args={"kv_transfer_params": {"do_remote_decode": True}}
+    )
     t0 = time.perf_counter()
     outs = llm.generate([a.prompt, a.negative], sp)
     prefill_s = time.perf_counter() - t0
@@ -45,7 +54,10 @@ if __name__ == "__main__":
     for o in outs:
         params = o.kv_transfer_params or {}
         if "remote_transfer_id" not in params:
-            print(f"ERROR: the producer returned no transfer id for {o.request_id}: {params}", file=sys.stderr)
+            print(
+                f"ERROR: the producer returned no transfer id for {o.request_id}: {params}",
+                file=sys.stderr,
+            )
             sys.exit(1)
         ids.append(params["remote_transfer_id"])  # the key the KV was published under
     info = {

@@ -21,12 +21,18 @@ class Block(nn.Module):
     def __init__(self, width: int, heads: int, head_dim: int) -> None:
         super().__init__()
         self.heads, self.head_dim = heads, head_dim
-        self.norm1, self.norm2, self.norm3 = nn.LayerNorm(width), nn.LayerNorm(width), nn.LayerNorm(width)
+        self.norm1, self.norm2, self.norm3 = (
+            nn.LayerNorm(width),
+            nn.LayerNorm(width),
+            nn.LayerNorm(width),
+        )
         self.qkv = nn.Linear(width, 3 * width)
         self.self_out = nn.Linear(width, width)
         self.cross_q = nn.Linear(width, heads * head_dim)
         self.cross_out = nn.Linear(heads * head_dim, width)
-        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+        self.mlp = nn.Sequential(
+            nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)
+        )
 
     def forward(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         b, n, w = x.shape
@@ -47,7 +53,15 @@ class Block(nn.Module):
 class TinyDiT(nn.Module):
     """Patchify -> blocks (one per received KV layer) -> unpatchify; predicts the noise."""
 
-    def __init__(self, kv_layers: int, heads: int, head_dim: int, image: int = 32, patch: int = 4, width: int = 128) -> None:
+    def __init__(
+        self,
+        kv_layers: int,
+        heads: int,
+        head_dim: int,
+        image: int = 32,
+        patch: int = 4,
+        width: int = 128,
+    ) -> None:
         super().__init__()
         self.image, self.patch = image, patch
         self.embed = nn.Linear(3 * patch * patch, width)
@@ -68,7 +82,9 @@ class TinyDiT(nn.Module):
         t = t.view(b, g, g, 3, p, p).permute(0, 3, 1, 4, 2, 5)
         return t.reshape(b, 3, self.image, self.image)
 
-    def forward(self, x: torch.Tensor, t: float, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, t: float, kv: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> torch.Tensor:
         h = self.embed(self._patchify(x)) + self.pos
         h = h + self.time(torch.full((1, 1, 1), t, dtype=h.dtype))
         for block, (k, v) in zip(self.blocks, kv, strict=True):

@@ -47,14 +47,18 @@ def main() -> int:
     mgr = OmniKVTransferManager.from_od_config(stage_config(a.namespace, a.timeout))
     timings: dict[str, Any] = {}
 
-    def collect_cfg(request_id: str, cfg_ids: list[str], manager: Any, device: Any) -> dict[str, Any]:
+    def collect_cfg(
+        request_id: str, cfg_ids: list[str], manager: Any, device: Any
+    ) -> dict[str, Any]:
         t = time.perf_counter()
         got = {i: manager.receive_kv_cache_for_request(i, device) for i in cfg_ids}
         timings["negative_recv_ms"] = (time.perf_counter() - t) * 1e3
         timings["negative_bytes"] = sum(size for _d, size in got.values())
         return {"cfg_kv": {i: d for i, (d, _s) in got.items()}}
 
-    req = SimpleNamespace(request_id=a.positive, sampling_params=SimpleNamespace(cfg_kv_request_ids=[a.negative]))
+    req = SimpleNamespace(
+        request_id=a.positive, sampling_params=SimpleNamespace(cfg_kv_request_ids=[a.negative])
+    )
     t0 = time.perf_counter()
     if not mgr.receive_multi_kv_cache(req, collect_cfg):
         print(f"ERROR: no KV for request {a.positive} within {a.timeout}s", file=sys.stderr)
@@ -65,7 +69,9 @@ def main() -> int:
         print(f"ERROR: no KV for the negative prompt {a.negative}", file=sys.stderr)
         return 1
     pos_kv = list(zip(req.past_key_values.key_cache, req.past_key_values.value_cache, strict=True))
-    neg_kv = list(zip(neg["layer_blocks"]["key_cache"], neg["layer_blocks"]["value_cache"], strict=True))
+    neg_kv = list(
+        zip(neg["layer_blocks"]["key_cache"], neg["layer_blocks"]["value_cache"], strict=True)
+    )
     seq, heads, head_dim = pos_kv[0][0].shape
     model = build(len(pos_kv), heads, head_dim)
     t1 = time.perf_counter()

@@ -31,11 +31,15 @@ def _spinner(proc: subprocess.Popen[str], label: str, timeout: float) -> str:
     stdout = proc.stdout
     threading.Thread(target=lambda: [lines.put(x) for x in stdout], daemon=True).start()
     start, frames = time.monotonic(), "|/-\\"
+    tty, next_note = sys.stdout.isatty(), 10.0
     while True:
         try:
             line = lines.get(timeout=0.25)
             if line.startswith("READY "):
-                print(f"\r{label}: ready after {time.monotonic() - start:.0f}s   ")
+                print(
+                    ("\r" if tty else "")
+                    + f"{label}: ready after {time.monotonic() - start:.0f}s   "
+                )
                 return line[len("READY ") :]
             continue
         except queue.Empty:
@@ -45,12 +49,22 @@ def _spinner(proc: subprocess.Popen[str], label: str, timeout: float) -> str:
         elapsed = time.monotonic() - start
         if elapsed > timeout:
             raise TimeoutError(f"{label} not ready after {timeout:.0f}s")
-        print(f"\r{label}: starting {frames[int(elapsed * 4) % 4]} {elapsed:4.0f}s", end="", flush=True)
+        if tty:
+            print(
+                f"\r{label}: starting {frames[int(elapsed * 4) % 4]} {elapsed:4.0f}s",
+                end="",
+                flush=True,
+            )
+        elif elapsed >= next_note:  # not a terminal: one line every 10 s, not a flood
+            print(f"{label}: starting, {elapsed:.0f}s", flush=True)
+            next_note += 10
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompt", default="a quiet river garden with silver light on the stone window")
+    ap.add_argument(
+        "--prompt", default="a quiet river garden with silver light on the stone window"
+    )
     ap.add_argument("--negative", default="noise static blur")
     ap.add_argument("--out", type=Path, default=HERE / "out" / "image.png")
     ap.add_argument("--model", type=Path, default=REPO / ".cache" / "tiny-models" / "demo-ar")
@@ -66,27 +80,61 @@ def main(argv: list[str] | None = None) -> int:
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     log = open(a.out.parent.mkdir(parents=True, exist_ok=True) or a.out.with_suffix(".ar.log"), "w")
     ar = subprocess.Popen(
-        [sys.executable, str(HERE / "ar_stage.py"), "--model", str(a.model), "--prompt", a.prompt,
-         "--negative", a.negative, "--namespace", ns],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=env,
+        [
+            sys.executable,
+            str(HERE / "ar_stage.py"),
+            "--model",
+            str(a.model),
+            "--prompt",
+            a.prompt,
+            "--negative",
+            a.negative,
+            "--namespace",
+            ns,
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+        env=env,
     )
     try:
         info = json.loads(_spinner(ar, "AR stage (vLLM producer)", a.timeout))
-        print(f"AR stage prefilled {info['prompt_tokens']} prompt tokens in {info['prefill_s'] * 1e3:.0f} ms;"
-              f" request ids {info['positive']} / {info['negative']}")
+        print(
+            f"AR stage prefilled {info['prompt_tokens']} prompt tokens in {info['prefill_s'] * 1e3:.0f} ms;"
+            f" request ids {info['positive']} / {info['negative']}"
+        )
         dit = subprocess.run(
-            [sys.executable, str(HERE / "dit_stage.py"), "--positive", info["positive"], "--negative",
-             info["negative"], "--namespace", ns, "--out", str(a.out), "--steps", str(a.steps)],
-            capture_output=True, text=True, timeout=a.timeout, env=env, cwd=HERE,
+            [
+                sys.executable,
+                str(HERE / "dit_stage.py"),
+                "--positive",
+                info["positive"],
+                "--negative",
+                info["negative"],
+                "--namespace",
+                ns,
+                "--out",
+                str(a.out),
+                "--steps",
+                str(a.steps),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=a.timeout,
+            env=env,
+            cwd=HERE,
         )
         if dit.returncode != 0:
             print(dit.stdout + dit.stderr, file=sys.stderr)
             return 1
         res = json.loads([x for x in dit.stdout.splitlines() if x.startswith("RESULT ")][-1][7:])
-        print(f"diffusion stage (no vLLM imported: {not res['vllm_imported']}) received KV for "
-              f"{res['layers']} layers x {res['prompt_tokens']} tokens x {res['kv_heads']} heads x "
-              f"{res['head_dim']} in {res['total_recv_ms']:.1f} ms (negative prompt: "
-              f"{res['negative_tokens']} tokens, {res['negative_recv_ms']:.1f} ms)")
+        print(
+            f"diffusion stage (no vLLM imported: {not res['vllm_imported']}) received KV for "
+            f"{res['layers']} layers x {res['prompt_tokens']} tokens x {res['kv_heads']} heads x "
+            f"{res['head_dim']} in {res['total_recv_ms']:.1f} ms (negative prompt: "
+            f"{res['negative_tokens']} tokens, {res['negative_recv_ms']:.1f} ms)"
+        )
         print(f"denoised {a.steps} steps with CFG in {res['denoise_ms']:.0f} ms -> {res['png']}")
         return 0
     except KeyboardInterrupt:

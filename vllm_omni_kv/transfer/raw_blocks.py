@@ -10,8 +10,8 @@ stores K transposed inside a block). Consumers that need ``[seq, heads, dim]``
 Payload: ``layer_blocks = {"kv_blocks": [raw per layer, None for skipped layers]}``
 where ``raw`` is the layer's cache restricted to the request's blocks, in the
 layer's own layout (cpu ``[n, h, bs, 2d]``, flash ``[2, n, bs, h, d]``, flashinfer
-``[n, 2, bs, h, d]``); ``metadata`` carries ``format="blocks"``, ``kv_layout``,
-``block_size`` and ``num_tokens``.
+``[n, 2, bs, h, d]``); ``metadata`` carries ``format="raw_blocks"``, ``kv_layout`` (or, as the vLLM
+connector writes it, a per-layer ``layouts`` list), ``block_size`` and ``num_tokens``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from vllm_omni_kv.transfer.kv_utils import detect_kv_layout, normalize_layer_kv
 from vllm_omni_kv.transfer.payload import KVCacheTransferData
 
 BLOCK_DIM = {"cpu": 0, "flashinfer": 0, "flash": 1}
-FORMAT_BLOCKS = "blocks"
+FORMAT_BLOCKS = "raw_blocks"
 
 
 def _block_dim(layout: str) -> int:
@@ -142,7 +142,8 @@ def is_block_payload(data: dict[str, Any] | None) -> bool:
 def _check_block_payload(data: dict[str, Any]) -> tuple[list[Any], str, int, int]:
     meta = data.get("metadata") or {}
     layers = (data.get("layer_blocks") or {}).get("kv_blocks")
-    lay, bs, n = meta.get("kv_layout"), meta.get("block_size"), meta.get("num_tokens")
+    lay = meta.get("kv_layout") or next(iter(meta.get("layouts") or []), None)
+    bs, n = meta.get("block_size"), meta.get("num_tokens")
     if not isinstance(layers, list) or lay not in BLOCK_DIM:
         raise KVPayloadError("block-format payload lacks kv_blocks or a known kv_layout")
     if not (isinstance(bs, int) and bs > 0 and isinstance(n, int) and n >= 0):
