@@ -1,116 +1,16 @@
-"""Helpers for the end-to-end connector tests: prompts, engine configs, process cleanup."""
+"""Fixtures of the end-to-end connector tests (helpers live in ``pd_helpers``)."""
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from engine_proc import EngineProc  # noqa: E402
-
-from vllm_omni_kv.testing.tiny_model import prompt_text  # noqa: E402
-
-LOG_DIR = Path(os.environ.get("OMNIKV_TEST_LOGS", "/tmp/omnikv-test-logs"))
-
-
-def make_prompts(model_dir: Path, n: int, seed: int = 0) -> list[list[int]]:
-    """``n`` token-id prompts of a few hundred tokens, lengths not multiples of 32."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-    out = []
-    for i in range(n):
-        ids = tok(prompt_text(seed * 1000 + i, 170 + 45 * i))["input_ids"]
-        if len(ids) % 32 == 0:
-            ids = ids[:-1]
-        out.append(list(ids))
-    return out
-
-
-def omni_ktc(
-    role: str, policy: str | None = None, **extra: Any
-) -> dict[str, Any]:
-    """A ``KVTransferConfig`` mapping for :class:`OmniKVConnector`."""
-    ktc: dict[str, Any] = {
-        "kv_connector": "OmniKVConnector",
-        "kv_role": role,
-        "kv_connector_extra_config": extra,
-    }
-    if policy is not None:
-        ktc["kv_load_failure_policy"] = policy
-    return ktc
-
-
-def engine_cfg(model_dir: Path, ktc: dict[str, Any] | None = None, **kw: Any) -> dict[str, Any]:
-    cfg: dict[str, Any] = {"model": str(model_dir), **kw}
-    if ktc is not None:
-        cfg["kv_transfer_config"] = ktc
-    return cfg
-
-
-@contextlib.contextmanager
-def engines(*cfgs: tuple[str, dict[str, Any]]) -> Iterator[list[EngineProc]]:
-    """Start engines concurrently; always stop them, also when a test fails."""
-    LOG_DIR.mkdir(parents=True, exist_ok=True)
-    procs: list[EngineProc] = []
-    before = _omnikv_files()
-    try:
-        for name, cfg in cfgs:
-            log = LOG_DIR / f"{name}.log"
-            log.unlink(missing_ok=True)
-            procs.append(EngineProc(cfg, log=log))
-        for p in procs:
-            p.wait_ready()
-        yield procs
-    finally:
-        for p in procs:
-            p.stop()
-        sweep_dead_segments()
-    left = _omnikv_files() - before
-    assert not left, f"engines left shared-memory files behind after shutdown: {sorted(left)}"
-
-
-def sweep_dead_segments() -> None:
-    """Unlink shared-memory files left by engines this test killed."""
-    with contextlib.suppress(Exception):
-        from vllm_omni_kv.backends import shm_arena
-
-        shm_arena.sweep_orphans()
-
-
-def kill_group(pid: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pid, signal.SIGKILL)
-
-
-@pytest.fixture(scope="module")
-def pd_prompts(tiny_model_dir: Path) -> list[list[int]]:
-    return make_prompts(tiny_model_dir, 4)
-
-
-def _omnikv_files() -> set[str]:
-    try:
-        return {n for n in os.listdir("/dev/shm") if n.startswith("omnikv")}
-    except FileNotFoundError:
-        return set()
-
-
-def _live_arena_segment(name: str) -> bool:
-    """An arena segment of a live producer: it outlives single requests by design."""
-    from vllm_omni_kv.backends import shm_arena
-
-    if not name.startswith(shm_arena.SEG_PREFIX):
-        return False
-    pid = shm_arena._owner_pid(name)
-    return pid is not None and shm_arena._pid_alive(pid)
+from pd_helpers import live_arena_segment, omnikv_files  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -118,7 +18,7 @@ def no_shm_leaks() -> Iterator[None]:
     """Per test: no payload may be left behind. Engines here live for a whole module, so
     their producers' arena segments (reused across requests, unlinked when the engine
     stops) are checked by :func:`engines` when the module's engines are stopped."""
-    before = _omnikv_files()
+    before = omnikv_files()
     yield
-    leaked = {n for n in _omnikv_files() - before if not _live_arena_segment(n)}
+    leaked = {n for n in omnikv_files() - before if not live_arena_segment(n)}
     assert not leaked, f"test leaked shared-memory files: {sorted(leaked)}"

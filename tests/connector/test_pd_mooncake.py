@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import EngineProc, engine_cfg, engines, kill_group, make_prompts, omni_ktc
+from pd_helpers import EngineProc, engine_cfg, engines, kill_group, make_prompts, omni_ktc
 
 from vllm_omni_kv.testing.net import free_port
 
@@ -23,13 +23,20 @@ POOL = 64 << 20
 
 
 @pytest.fixture(scope="module")
-def mc(tiny_model_dir: Path) -> Iterator[tuple[EngineProc, EngineProc, dict[tuple[int, ...], list[int]], list[list[int]], list[list[int]]]]:
+def mc(
+    tiny_model_dir: Path,
+) -> Iterator[
+    tuple[
+        EngineProc, EngineProc, dict[tuple[int, ...], list[int]], list[list[int]], list[list[int]]
+    ]
+]:
     equal = make_prompts(tiny_model_dir, 3, seed=21)
     killed = make_prompts(tiny_model_dir, 2, seed=22)
     common = {"protocol": "tcp", "host": "127.0.0.1", "memory_pool_size": POOL}
     prod_ktc = omni_ktc(
         "kv_producer",
         backend="mooncake",
+        transfer_format="token_major",  # the shm tests cover the raw-block format
         backend_extra={**common, "role": "sender", "zmq_port": free_port()},
     )
     cons_ktc = omni_ktc(

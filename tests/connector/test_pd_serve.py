@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import requests
-from conftest import LOG_DIR, make_prompts, sweep_dead_segments
+from pd_helpers import LOG_DIR, make_prompts, sweep_dead_segments
 
 from vllm_omni_kv.testing.net import free_port
 
@@ -53,12 +53,16 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
     proc.wait(timeout=30)
 
 
-def _wait_healthy(url: str, procs: list[subprocess.Popen[bytes]], logs: list[Path], timeout: float) -> None:
+def _wait_healthy(
+    url: str, procs: list[subprocess.Popen[bytes]], logs: list[Path], timeout: float
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for p, log in zip(procs, logs):
             if p.poll() is not None:
-                raise RuntimeError(f"{log.name} exited ({p.returncode}):\n{log.read_text()[-3000:]}")
+                raise RuntimeError(
+                    f"{log.name} exited ({p.returncode}):\n{log.read_text()[-3000:]}"
+                )
         try:
             if requests.get(url, timeout=2).status_code == 200:
                 return
@@ -83,7 +87,10 @@ class Servers:
 @pytest.fixture(scope="module")
 def servers(tiny_model_dir: Path) -> Iterator[Servers]:
     env = dict(
-        os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOG_STATS_INTERVAL="1", VLLM_LOGGING_LEVEL="INFO"
+        os.environ,
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_LOG_STATS_INTERVAL="1",
+        VLLM_LOGGING_LEVEL="INFO",
     )
     pp, dp, xp = free_port(), free_port(), free_port()
     common = [
@@ -97,7 +104,10 @@ def servers(tiny_model_dir: Path) -> Iterator[Servers]:
     procs: list[subprocess.Popen[bytes]] = []
     logs: list[Path] = []
     try:
-        for name, port, cfg in (("serve-producer", pp, "producer.json"), ("serve-consumer", dp, "consumer.json")):
+        for name, port, cfg in (
+            ("serve-producer", pp, "producer.json"),
+            ("serve-consumer", dp, "consumer.json"),
+        ):
             ktc = (EXAMPLE / cfg).read_text()
             p, log = _start(
                 [*SERVE, *common, "--port", str(port), "--kv-transfer-config", ktc],
@@ -108,10 +118,14 @@ def servers(tiny_model_dir: Path) -> Iterator[Servers]:
             logs.append(log)
         p, log = _start(
             [
-                sys.executable, str(EXAMPLE / "proxy.py"),
-                "--port", str(xp),
-                "--prefill", f"http://127.0.0.1:{pp}",
-                "--decode", f"http://127.0.0.1:{dp}",
+                sys.executable,
+                str(EXAMPLE / "proxy.py"),
+                "--port",
+                str(xp),
+                "--prefill",
+                f"http://127.0.0.1:{pp}",
+                "--decode",
+                f"http://127.0.0.1:{dp}",
             ],  # fmt: skip
             "serve-proxy",
             env,
@@ -177,7 +191,9 @@ def test_consumer_logs_connector_stats(servers: Servers) -> None:
     deadline = time.monotonic() + 15
     pat = re.compile(r"KV Transfer metrics: .*bytes_received=(\d+)")
     while time.monotonic() < deadline:
-        hits = [int(m.group(1)) for m in pat.finditer(servers.decode_log.read_text(errors="replace"))]
+        hits = [
+            int(m.group(1)) for m in pat.finditer(servers.decode_log.read_text(errors="replace"))
+        ]
         if any(h > 0 for h in hits):
             return
         time.sleep(0.5)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import (
+from pd_helpers import (
     EngineProc,
     engine_cfg,
     engines,
@@ -50,7 +50,9 @@ class PD:
             assert p["remote_num_tokens"] == len(ids)
         return params
 
-    def decode(self, prompts: list[list[int]], params: list[dict[str, Any] | None]) -> dict[str, Any]:
+    def decode(
+        self, prompts: list[list[int]], params: list[dict[str, Any] | None]
+    ) -> dict[str, Any]:
         r = self.cons.generate(prompts, max_tokens=16, kv_transfer_params=params)
         assert "error" not in r, r
         for o, ids in zip(r["outputs"], prompts):
@@ -114,7 +116,11 @@ def test_missing_payload_recomputes_within_timeout(
 ) -> None:
     prompts = groups["missing"]
     params: list[dict[str, Any] | None] = [
-        {"do_remote_prefill": True, "remote_engine_id": "no-such-producer", "remote_request_id": f"r{i}"}
+        {
+            "do_remote_prefill": True,
+            "remote_engine_id": "no-such-producer",
+            "remote_request_id": f"r{i}",
+        }
         for i in range(len(prompts))
     ]
     t0 = time.monotonic()

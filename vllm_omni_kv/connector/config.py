@@ -23,6 +23,9 @@ first request. Accepted fields::
     send_ttl             seconds a producer keeps an unconsumed payload (default 300)
     remote_host          host advertised to consumers (default: backend "host" or 127.0.0.1)
     remote_port          port advertised to consumers (default: backend "zmq_port" or 0)
+    transfer_format      "auto" (default: each layer's blocks as the cache holds them when
+                         producer and consumer TP sizes match, else token-major K/V),
+                         "raw_blocks" or "token_major"
 """
 
 from __future__ import annotations
@@ -52,8 +55,10 @@ KNOWN_FIELDS: frozenset[str] = frozenset(
         "send_ttl",
         "remote_host",
         "remote_port",
+        "transfer_format",
     }
 )
+TRANSFER_FORMATS = ("auto", "raw_blocks", "token_major")
 
 _WHERE = "kv_connector_extra_config"
 
@@ -74,6 +79,7 @@ class OmniKVConfig:
     send_ttl: float = 300.0
     remote_host: str = "127.0.0.1"
     remote_port: int = 0
+    transfer_format: str = "auto"
 
     @property
     def backend_name(self) -> str:
@@ -188,8 +194,14 @@ def parse_omni_kv_config(raw: Mapping[str, Any] | None) -> OmniKVConfig:
         raise ConfigError(f"{_WHERE}.remote_port must be a port number, got {port_raw!r}") from None
     if not 0 <= port <= 65535:
         raise ConfigError(f"{_WHERE}.remote_port must be in [0, 65535], got {port}")
+    fmt = raw.get("transfer_format", "auto")
+    if fmt not in TRANSFER_FORMATS:
+        raise ConfigError(
+            f"{_WHERE}.transfer_format must be one of {TRANSFER_FORMATS}, got {fmt!r}"
+        )
     return OmniKVConfig(
         backend=spec,
+        transfer_format=str(fmt),
         from_stage=from_stage,
         to_stage=to_stage,
         recv_timeout=_positive_float(raw, "recv_timeout", 30.0),

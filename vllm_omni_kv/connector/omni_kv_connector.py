@@ -86,7 +86,8 @@ class OmniKVConnector(KVConnectorBase_V1):
         self.worker_half.register_kv_caches(kv_caches)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        self.worker_half.start_load_kv(self._meta())
+        idle = getattr(forward_context, "attn_metadata", None) is None
+        self.worker_half.start_load_kv(self._meta(), idle_step=idle)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         # Loads are asynchronous (between steps): nothing is pending for a forward pass.

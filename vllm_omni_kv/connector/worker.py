@@ -54,6 +54,7 @@ from vllm_omni_kv.transfer.kv_utils import (
     KVTPTopology,
     build_rank_aware_recv_keys,
     build_rank_aware_send_keys,
+    detect_kv_layout,
     get_local_tp_rank,
     get_tp_world_size,
     merge_received_rank_shards,
@@ -66,12 +67,18 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
+#: longest wait for loads to land on an engine step that has nothing else to do
+IDLE_WAIT_S = 0.1
+
 
 @dataclass
 class _Layer:
     name: str
     key: torch.Tensor  # [num_blocks, block_size, heads, dim] view of the paged cache
     value: torch.Tensor
+    raw: torch.Tensor | None  # the cache tensor itself, when one tensor holds K and V
+    block_dim: int  # its block dimension
+    layout: str
 
 
 @dataclass
@@ -88,6 +95,27 @@ class _Outcome:
 
 def _fill(blocks: torch.Tensor, ids: torch.Tensor, n: int, dst: torch.Tensor) -> None:
     gather_request_kv(blocks, ids, n, out=dst)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    # index_copy_ has no CPU kernel for fp8: same-size integers move the same bytes
+    return t.view(torch.uint8) if t.dtype.is_floating_point and t.element_size() == 1 else t
+
+
+def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
+    """``(offset in ids, first block id, length)`` of each run of consecutive block ids."""
+    runs: list[tuple[int, int, int]] = []
+    for off, b in enumerate(ids):
+        if runs and runs[-1][1] + runs[-1][2] == b:
+            o, first, n = runs[-1]
+            runs[-1] = (o, first, n + 1)
+        else:
+            runs.append((off, b, 1))
+    return runs
+
+
+def _fill_raw(cache: torch.Tensor, dim: int, ids: torch.Tensor, dst: torch.Tensor) -> None:
+    torch.index_select(_bytes(cache), dim, ids, out=_bytes(dst))
 
 
 class OmniKVWorker:
@@ -110,6 +138,8 @@ class OmniKVWorker:
         self.layers: list[_Layer] = []
         self.stats = OmniKVConnectorStats()
         self._lock = threading.Lock()
+        self._landed = threading.Condition(self._lock)  # a load finished
+        self._idle_step = False
         self._stop = threading.Event()
         self._pool = ThreadPoolExecutor(
             max_workers=cfg.load_threads, thread_name_prefix="omnikv-recv"
@@ -139,8 +169,15 @@ class OmniKVWorker:
                     f"layer {name!r}: cache block size {key.shape[1]} != configured "
                     f"block_size {self.block_size}"
                 )
-            layers.append(_Layer(name, key, value))
+            layout = detect_kv_layout(cache)
+            raw = cache if layout != "tuple" and cache.is_contiguous() else None
+            layers.append(_Layer(name, key, value, raw, 1 if layout == "flash" else 0, layout))
         self.layers = layers
+        if self.cfg.transfer_format == "raw_blocks" and not self._raw_ok():
+            raise ConfigError(
+                "kv_connector_extra_config.transfer_format 'raw_blocks' needs equal producer and "
+                "consumer TP sizes and a single-tensor KV cache per layer; use 'auto'"
+            )
         if layers:
             k = layers[0].key
             logger.info(
@@ -158,11 +195,50 @@ class OmniKVWorker:
             )
 
     # -- send ----------------------------------------------------------------------------
+    def _raw_ok(self) -> bool:
+        """Raw blocks travel when no head slicing is needed and every layer is one tensor."""
+        if self.cfg.transfer_format == "token_major":
+            return False
+        return self.target_tp_size == self.tp_size and all(x.raw is not None for x in self.layers)
+
     def _payload(self, spec: SaveSpec) -> dict[str, Any]:
         # Whole blocks, tail block included: the bytes inside a block are copied as they
         # are, whatever order the attention kernel keeps them in (CPU kernels pack them).
         n = len(spec.block_ids) * self.block_size
         ids = torch.tensor(spec.block_ids, dtype=torch.long)
+        md: dict[str, Any] = {
+            "num_tokens": spec.num_tokens,
+            "rows": n,
+            "prompt_digest": spec.prompt_digest,
+            "engine_id": self.engine_id,
+            "tp_rank": self.tp_rank,
+            "tp_size": self.tp_size,
+            "block_size": self.block_size,
+            "layer_names": [layer.name for layer in self.layers],
+        }
+        if self._raw_ok():
+            # Fast path: each layer's blocks as the cache holds them (K and V together),
+            # one contiguous memcpy per block on each side.
+            raw_layers: list[Any] = []
+            for layer in self.layers:
+                assert layer.raw is not None
+                raw_shape = list(layer.raw.shape)
+                raw_shape[layer.block_dim] = len(spec.block_ids)
+                raw_layers.append(
+                    codec.LazyTensor(
+                        tuple(raw_shape),
+                        layer.raw.dtype,
+                        functools.partial(_fill_raw, layer.raw, layer.block_dim, ids),
+                    )
+                )
+            md["format"] = "raw_blocks"
+            md["layouts"] = [layer.layout for layer in self.layers]
+            return {
+                "request_id": spec.transfer_id,
+                "layer_blocks": {"kv_blocks": raw_layers},
+                "block_ids": list(spec.block_ids),
+                "metadata": md,
+            }
         keys: list[Any] = []
         values: list[Any] = []
         for layer in self.layers:
@@ -177,20 +253,12 @@ class OmniKVWorker:
                     shape, layer.value.dtype, functools.partial(_fill, layer.value, ids, n)
                 )
             )
+        md["format"] = "token_major"
         return {
             "request_id": spec.transfer_id,
             "layer_blocks": {"key_cache": keys, "value_cache": values},
             "block_ids": list(spec.block_ids),
-            "metadata": {
-                "num_tokens": spec.num_tokens,
-                "rows": n,
-                "prompt_digest": spec.prompt_digest,
-                "engine_id": self.engine_id,
-                "tp_rank": self.tp_rank,
-                "tp_size": self.tp_size,
-                "block_size": self.block_size,
-                "layer_names": [layer.name for layer in self.layers],
-            },
+            "metadata": md,
         }
 
     def _send(self, spec: SaveSpec) -> None:
@@ -247,7 +315,8 @@ class OmniKVWorker:
             self._expire_sent()
 
     # -- receive -------------------------------------------------------------------------
-    def start_load_kv(self, meta: OmniKVConnectorMetadata | None) -> None:
+    def start_load_kv(self, meta: OmniKVConnectorMetadata | None, idle_step: bool = False) -> None:
+        self._idle_step = idle_step
         if meta is None or self._closed:
             return
         now = time.monotonic()
@@ -267,6 +336,7 @@ class OmniKVWorker:
         with self._lock:
             self._inflight.pop(spec.req_id, None)
             self._outcomes.append(out)
+            self._landed.notify_all()
 
     def _topology(self, source_tp: int | None) -> KVTPTopology:
         return KVTPTopology(
@@ -403,6 +473,10 @@ class OmniKVWorker:
         blocks = payload.get("layer_blocks")
         if not isinstance(blocks, dict):
             raise KVPayloadError("payload has no layer_blocks mapping")
+        first = start // self.block_size
+        if md.get("format") == "raw_blocks":
+            self._inject_raw(spec, md, blocks, first, rows // self.block_size)
+            return
         ks, vs = blocks.get("key_cache"), blocks.get("value_cache")
         if not isinstance(ks, list) or not isinstance(vs, list):
             raise KVPayloadError("payload layer_blocks lack key_cache/value_cache lists")
@@ -421,10 +495,53 @@ class OmniKVWorker:
                         f"layer {i} {name}: payload {tuple(t.shape)} {t.dtype}, expected {want} "
                         f"{layer.key.dtype} (same model, dtype and TP mapping on both sides?)"
                     )
-        ids = spec.block_ids[start // self.block_size :]
+        ids = spec.block_ids[first:]
         for i, layer in enumerate(self.layers):
             scatter_request_kv(layer.key, ids, ks[i][start:rows])
             scatter_request_kv(layer.value, ids, vs[i][start:rows])
+
+    def _inject_raw(
+        self,
+        spec: LoadSpec,
+        md: dict[str, Any],
+        blocks: dict[str, Any],
+        first: int,
+        n_blocks: int,
+    ) -> None:
+        layers = blocks.get("kv_blocks")
+        if not isinstance(layers, list) or len(layers) != len(self.layers):
+            raise KVPayloadError(
+                f"raw payload has {len(layers) if isinstance(layers, list) else 'no'} layers, "
+                f"this model has {len(self.layers)}: producer and consumer must serve the same model"
+            )
+        if md.get("layouts") != [x.layout for x in self.layers]:
+            raise KVPayloadError(
+                f"producer KV layout {md.get('layouts')} differs from this engine's; both "
+                "stages need the same attention backend for raw block transfer"
+            )
+        ids = spec.block_ids[first:n_blocks]
+        if len(ids) != n_blocks - first:
+            raise KVPayloadError(f"{len(spec.block_ids)} local blocks cannot hold {n_blocks}")
+        runs = _runs(ids)
+        for i, layer in enumerate(self.layers):
+            t = layers[i]
+            assert layer.raw is not None
+            want = list(layer.raw.shape)
+            want[layer.block_dim] = n_blocks
+            if (
+                not isinstance(t, torch.Tensor)
+                or list(t.shape) != want
+                or t.dtype != layer.raw.dtype
+            ):
+                got = (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise KVPayloadError(
+                    f"layer {i}: payload blocks {got}, expected {tuple(want)} {layer.raw.dtype}"
+                )
+        for i, layer in enumerate(self.layers):
+            assert layer.raw is not None
+            dst, src, dim = _bytes(layer.raw), _bytes(layers[i]), layer.block_dim
+            for off, block, length in runs:  # one memcpy per run of consecutive blocks
+                dst.narrow(dim, block, length).copy_(src.narrow(dim, first + off, length))
 
     def _discard(self, d: DiscardSpec) -> None:
         try:
@@ -446,8 +563,18 @@ class OmniKVWorker:
 
     # -- completion ----------------------------------------------------------------------
     def get_transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        """``(finished_sending, finished_recving)``; failed loads' blocks are stashed."""
+        """``(finished_sending, finished_recving)``; failed loads' blocks are stashed.
+
+        On a step without a forward pass (the engine only waits for loads), block up to
+        :data:`IDLE_WAIT_S` until every load in flight has landed instead of letting the
+        engine spin: the CPU goes to the loads (and to a producer sharing this host), and
+        requests loaded together are scheduled together, in one forward pass.
+        """
         with self._lock:
+            if self._idle_step and self._inflight:
+                deadline = time.monotonic() + IDLE_WAIT_S
+                while self._inflight and (left := deadline - time.monotonic()) > 0:
+                    self._landed.wait(left)
             sending = self._sent_unreported & finished_req_ids
             self._sent_unreported -= sending
             outcomes, self._outcomes = self._outcomes, []

@@ -1,0 +1,540 @@
+"""Prefill/decode benchmark: colocated vs OmniKVConnector (shm, mooncake) vs ExampleConnector.
+
+Workload (defaults): 16 prompts of ~1,000 tokens, 16 output tokens, greedy, on a
+generated tiny Llama whose KV per token is realistic (8 layers, 8 KV heads,
+head size 128, bf16: 32 KiB per token), so moving KV, not computing, dominates
+a P/D consumer's time to first token. Every configuration runs in this one
+invocation, engines in subprocesses (at most two at a time):
+
+* ``colocated``: one engine prefills and decodes;
+* ``omnikv_<backend>``: a producer prefills (``max_tokens=1``, ``do_remote_decode``),
+  a consumer generates with the transferred KV;
+* ``example_connector``: vLLM's built-in ``ExampleConnector`` (safetensors files in
+  a directory under /tmp, its default storage).
+
+Measured per configuration (wall clock around ``LLM.generate`` of the whole batch,
+median of ``--repeats`` runs after a warm-up pass over the whole workload):
+``ttft_s`` (consumer time to first token: a ``max_tokens=1`` run), ``total_s`` (a
+``max_tokens=16`` run), ``prefill_s`` (producer), KV bytes moved and GB/s
+(bytes / consumer TTFT), and how many prompts gave the colocated tokens.
+Prefix caching is off so that repeated prompts are recomputed or re-transferred.
+
+    python benchmarks/pd_bench.py            # writes benchmarks/results/pd_bench.{json,png}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+MARK = "@@PDBENCH@@ "
+PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False}
+
+
+# -- engine subprocess (JSON lines over stdin/stdout, no pickle) ------------------------
+def _engine_main(cfg: dict[str, Any]) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    def emit(obj: dict[str, Any]) -> None:
+        sys.stdout.write(MARK + json.dumps(obj) + "\n")
+        sys.stdout.flush()
+
+    ktc = cfg.get("kv_transfer_config")
+    llm = LLM(
+        model=cfg["model"],
+        dtype=cfg["dtype"],
+        max_model_len=cfg["max_model_len"],
+        block_size=32,
+        enforce_eager=True,
+        seed=0,
+        enable_prefix_caching=False,
+        max_num_seqs=cfg["max_num_seqs"],
+        max_num_batched_tokens=cfg["max_num_batched_tokens"],
+        kv_transfer_config=KVTransferConfig(**ktc) if ktc else None,
+    )
+    emit({"ready": True})
+    for line in sys.stdin:
+        req = json.loads(line)
+        if req.get("cmd") == "exit":
+            break
+        params = req.get("kv_transfer_params") or [None] * len(req["prompts"])
+        sps = [
+            SamplingParams(
+                temperature=0,
+                max_tokens=req["max_tokens"],
+                ignore_eos=True,
+                extra_args={"kv_transfer_params": dict(p)} if p else None,
+            )
+            for p in params
+        ]
+        prompts: Any = [{"prompt_token_ids": ids} for ids in req["prompts"]]
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, sps, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        emit(
+            {
+                "seconds": dt,
+                "outputs": [
+                    {
+                        "token_ids": list(o.outputs[0].token_ids),
+                        "finish_reason": o.outputs[0].finish_reason,
+                        "kv_transfer_params": o.kv_transfer_params,
+                    }
+                    for o in outs
+                ],
+            }
+        )
+
+
+class Engine:
+    def __init__(self, name: str, cfg: dict[str, Any], env: dict[str, str], log_dir: Path):
+        self.name = name
+        self.log = open(log_dir / f"{name}.log", "w")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--engine-worker", json.dumps(cfg)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+        self.replies: deque[dict[str, Any]] = deque()
+        self.tail: deque[str] = deque(maxlen=50)
+        self.cv = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(MARK):
+                with self.cv:
+                    self.replies.append(json.loads(line[len(MARK) :]))
+                    self.cv.notify_all()
+            else:
+                self.tail.append(line)
+                self.log.write(line)
+        with self.cv:
+            self.cv.notify_all()
+
+    def reply(self, timeout: float = 900.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        with self.cv:
+            while not self.replies:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"{self.name} exited:\n{''.join(self.tail)}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{self.name}: no reply in {timeout:.0f}s")
+                self.cv.wait(0.5)
+            return self.replies.popleft()
+
+    def generate(
+        self, prompts: list[list[int]], max_tokens: int, params: list[Any] | None = None
+    ) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        msg = {"cmd": "generate", "prompts": prompts, "max_tokens": max_tokens}
+        if params is not None:
+            msg["kv_transfer_params"] = params
+        self.proc.stdin.write(json.dumps(msg) + "\n")
+        self.proc.stdin.flush()
+        return self.reply()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write(json.dumps({"cmd": "exit"}) + "\n")
+                self.proc.stdin.close()
+                self.proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(timeout=30)
+        self.log.close()
+
+
+def _start(
+    specs: list[tuple[str, dict[str, Any]]], env: dict[str, str], log_dir: Path
+) -> list[Engine]:
+    engines = [Engine(n, c, env, log_dir) for n, c in specs]
+    try:
+        for e in engines:
+            if not e.reply(600).get("ready"):
+                raise RuntimeError(f"{e.name} did not start")
+    except BaseException:
+        for e in engines:
+            e.stop()
+        raise
+    return engines
+
+
+# -- measurements -----------------------------------------------------------------------
+def _tokens(r: dict[str, Any]) -> list[list[int]]:
+    return [o["token_ids"] for o in r["outputs"]]
+
+
+def _matches(got: list[list[int]], ref: list[list[int]] | None) -> int | None:
+    if ref is None:
+        return None
+    return sum(int(a == b) for a, b in zip(got, ref))
+
+
+def _median(xs: list[float]) -> float:
+    ys = sorted(xs)
+    mid = len(ys) // 2
+    return ys[mid] if len(ys) % 2 else (ys[mid - 1] + ys[mid]) / 2
+
+
+def run_colocated(
+    base: dict[str, Any],
+    prompts: list[list[int]],
+    out_tokens: int,
+    env: dict[str, str],
+    log_dir: Path,
+    repeats: int,
+) -> dict[str, Any]:
+    (eng,) = _start([("colocated", base)], env, log_dir)
+    try:
+        eng.generate(prompts, 2)  # warm-up: the whole workload once (KV cache pages touched)
+        ttfts, totals = [], []
+        for _ in range(repeats):
+            ttfts.append(eng.generate(prompts, 1)["seconds"])
+            total = eng.generate(prompts, out_tokens)
+            totals.append(total["seconds"])
+    finally:
+        eng.stop()
+    return {
+        "ttft_s": _median(ttfts),
+        "total_s": _median(totals),
+        "prefill_s": _median(ttfts),
+        "kv_bytes": 0,
+        "ttft_samples": ttfts,
+        "total_samples": totals,
+        "tokens": _tokens(total),
+    }
+
+
+def _pd_round(
+    prod: Engine, cons: Engine, prompts: list[list[int]], max_tokens: int, with_params: bool
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    pre = prod.generate(prompts, 1, [PREFILL_PARAMS] * len(prompts) if with_params else None)
+    params = [o["kv_transfer_params"] for o in pre["outputs"]] if with_params else None
+    dec = cons.generate(prompts, max_tokens, params)
+    return pre, dec
+
+
+def run_omnikv(
+    base: dict[str, Any],
+    backend: str,
+    prompts: list[list[int]],
+    out_tokens: int,
+    env: dict[str, str],
+    log_dir: Path,
+    repeats: int,
+) -> dict[str, Any]:
+    from vllm_omni_kv.testing.net import free_port
+
+    if backend == "mooncake":
+        common = {"protocol": "tcp", "host": "127.0.0.1", "memory_pool_size": 2 << 30}
+        pextra = {
+            "backend": "mooncake",
+            "backend_extra": {**common, "role": "sender", "zmq_port": free_port()},
+        }
+        # one pull at a time: concurrent TCP pulls of 32 MiB stalled on this 2-core host
+        cextra = {
+            "backend": "mooncake",
+            "load_threads": 1,
+            "backend_extra": {**common, "role": "receiver"},
+        }
+    else:
+        pextra = cextra = {"backend": backend}
+    prod_cfg = dict(
+        base,
+        kv_transfer_config={
+            "kv_connector": "OmniKVConnector",
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": pextra,
+        },
+    )
+    cons_cfg = dict(
+        base,
+        kv_transfer_config={
+            "kv_connector": "OmniKVConnector",
+            "kv_role": "kv_consumer",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {**cextra, "recv_timeout": 60},
+        },
+    )
+    prod, cons = _start(
+        [(f"omnikv_{backend}-producer", prod_cfg), (f"omnikv_{backend}-consumer", cons_cfg)],
+        env,
+        log_dir,
+    )
+    try:
+        _pd_round(prod, cons, prompts, 2, True)  # warm-up: the whole workload once
+        ttfts, totals, prefills, loads = [], [], [], []
+        for _ in range(repeats):
+            pre, first = _pd_round(prod, cons, prompts, 1, True)
+            _, total = _pd_round(prod, cons, prompts, out_tokens, True)
+            ttfts.append(first["seconds"])
+            totals.append(total["seconds"])
+            prefills.append(pre["seconds"])
+            loads = [o["kv_transfer_params"]["omni_kv_load"] for o in first["outputs"]]
+    finally:
+        prod.stop()
+        cons.stop()
+    nbytes = sum(int(x.get("bytes", 0)) for x in loads)
+    return {
+        "ttft_s": _median(ttfts),
+        "total_s": _median(totals),
+        "prefill_s": _median(prefills),
+        "ttft_samples": ttfts,
+        "total_samples": totals,
+        "kv_bytes": nbytes,
+        "loads_ok": sum(int(bool(x.get("ok"))) for x in loads),
+        "load_seconds_max": max(float(x.get("seconds", 0)) for x in loads),
+        "tokens": _tokens(total),
+    }
+
+
+def run_example(
+    base: dict[str, Any],
+    prompts: list[list[int]],
+    out_tokens: int,
+    env: dict[str, str],
+    log_dir: Path,
+    repeats: int,
+) -> dict[str, Any]:
+    store = Path(tempfile.mkdtemp(prefix="pd_bench_example_", dir="/tmp"))
+    extra = {"shared_storage_path": str(store)}
+    prod_cfg = dict(
+        base,
+        kv_transfer_config={
+            "kv_connector": "ExampleConnector",
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": extra,
+        },
+    )
+    cons_cfg = dict(
+        base,
+        kv_transfer_config={
+            "kv_connector": "ExampleConnector",
+            "kv_role": "kv_consumer",
+            "kv_connector_extra_config": extra,
+        },
+    )
+    try:
+        prod, cons = _start(
+            [("example-producer", prod_cfg), ("example-consumer", cons_cfg)], env, log_dir
+        )
+        try:
+            _pd_round(prod, cons, prompts, 2, False)  # warm-up: the whole workload once
+            ttfts, totals, prefills = [], [], []
+            for _ in range(repeats):
+                shutil.rmtree(store, ignore_errors=True)
+                store.mkdir()
+                pre = prod.generate(prompts, 1)
+                nbytes = sum(f.stat().st_size for f in store.rglob("*") if f.is_file())
+                first = cons.generate(prompts, 1)
+                total = cons.generate(prompts, out_tokens)  # the files are still there
+                ttfts.append(first["seconds"])
+                totals.append(total["seconds"])
+                prefills.append(pre["seconds"])
+        finally:
+            prod.stop()
+            cons.stop()
+    finally:
+        shutil.rmtree(store, ignore_errors=True)
+    return {
+        "ttft_s": _median(ttfts),
+        "total_s": _median(totals),
+        "prefill_s": _median(prefills),
+        "ttft_samples": ttfts,
+        "total_samples": totals,
+        "kv_bytes": nbytes,
+        "tokens": _tokens(total),
+    }
+
+
+def _plot(results: dict[str, dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key, label in (
+        (axes[0], "ttft_s", "consumer TTFT (s)"),
+        (axes[1], "total_s", "total, 16 output tokens (s)"),
+    ):
+        vals = [results[n][key] for n in names]
+        bars = ax.bar(
+            names, vals, color=["#888888", "#2a7ab0", "#5aa05a", "#c0504d", "#9a7ab0"][: len(names)]
+        )
+        ax.set_ylabel(label)
+        ax.set_yscale("log")
+        for b, v in zip(bars, vals):
+            ax.annotate(
+                f"{v:.3f}", (b.get_x() + b.get_width() / 2, v), ha="center", va="bottom", fontsize=8
+            )
+        ax.tick_params(axis="x", rotation=20)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--engine-worker", help=argparse.SUPPRESS)
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--prompt-tokens", type=int, default=1000)
+    ap.add_argument("--output-tokens", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--repeats", type=int, default=3, help="measured runs (median reported)")
+    ap.add_argument("--backends", default="shm,mooncake", help="OmniKV backends to run")
+    ap.add_argument("--skip", default="", help="comma list of: colocated,omnikv,example")
+    ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    a = ap.parse_args(argv)
+    if a.engine_worker:
+        _engine_main(json.loads(a.engine_worker))
+        return
+
+    from transformers import AutoTokenizer
+
+    from vllm_omni_kv.testing.tiny_model import TinyModelSpec, prompt_text, write_tiny_model
+
+    spec = TinyModelSpec(
+        num_layers=a.layers,
+        hidden_size=a.hidden,
+        num_attention_heads=a.kv_heads,
+        num_kv_heads=a.kv_heads,
+        head_dim=a.head_dim,
+        intermediate_size=2 * a.hidden,
+        dtype=a.dtype,
+    )
+    model = write_tiny_model(REPO / ".cache" / "tiny-models" / f"llama-{spec.fingerprint()}", spec)
+    tok = AutoTokenizer.from_pretrained(str(model))
+    prompts = []
+    for i in range(a.prompts):
+        ids = tok(prompt_text(100 + i, a.prompt_tokens))["input_ids"]
+        prompts.append(list(ids[: a.prompt_tokens]))
+    n_tokens = sum(len(p) for p in prompts)
+    itemsize = 2 if a.dtype in ("bfloat16", "float16") else 4
+    kv_per_token = a.layers * 2 * a.kv_heads * a.head_dim * itemsize
+    cache_gib = max(1, -(-int(1.5 * (n_tokens + a.prompts * 64) * kv_per_token) // (1 << 30)))
+    env = dict(
+        os.environ,
+        VLLM_CPU_KVCACHE_SPACE=str(cache_gib),
+        VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+        MC_LOG_LEVEL="ERROR",
+    )
+    base = {
+        "model": str(model),
+        "dtype": a.dtype,
+        "max_model_len": a.prompt_tokens + a.output_tokens + 64,
+        "max_num_seqs": a.prompts,
+        # one step holds the whole batch: ExampleConnector cannot save chunked prefills
+        "max_num_batched_tokens": max(8192, n_tokens + a.prompts * 64),
+    }
+    a.out.mkdir(parents=True, exist_ok=True)
+    log_dir = Path(tempfile.mkdtemp(prefix="pd_bench_logs_"))
+    skip = set(filter(None, a.skip.split(",")))
+    results: dict[str, dict[str, Any]] = {}
+    print(
+        f"model {model.name}: {n_tokens} prompt tokens, {kv_per_token} B KV/token; logs in {log_dir}"
+    )
+    if "colocated" not in skip:
+        results["colocated"] = run_colocated(
+            base, prompts, a.output_tokens, env, log_dir, a.repeats
+        )
+        print("colocated", {k: v for k, v in results["colocated"].items() if k != "tokens"})
+    if "omnikv" not in skip:
+        for backend in filter(None, a.backends.split(",")):
+            if backend == "mooncake":
+                try:
+                    import mooncake.engine  # noqa: F401
+                except ImportError:
+                    print("mooncake: transfer engine not importable, skipped")
+                    continue
+            key = f"omnikv_{backend}"
+            results[key] = run_omnikv(
+                base, backend, prompts, a.output_tokens, env, log_dir, a.repeats
+            )
+            print(key, {k: v for k, v in results[key].items() if k != "tokens"})
+    if "example" not in skip:
+        results["example_connector"] = run_example(
+            base, prompts, a.output_tokens, env, log_dir, a.repeats
+        )
+        print(
+            "example_connector",
+            {k: v for k, v in results["example_connector"].items() if k != "tokens"},
+        )
+
+    ref = results.get("colocated", {}).get("tokens")
+    for r in results.values():
+        r["matches_colocated"] = _matches(r["tokens"], ref)
+        r["kv_GBps"] = round(r["kv_bytes"] / r["ttft_s"] / 1e9, 3) if r["kv_bytes"] else 0.0
+    summary: dict[str, Any] = {}
+    ex = results.get("example_connector")
+    co = results.get("colocated")
+    for name, r in results.items():
+        if name.startswith("omnikv"):
+            summary[name] = {
+                "ttft_vs_example_connector": round(r["ttft_s"] / ex["ttft_s"], 3) if ex else None,
+                "ttft_vs_colocated_prefill": round(r["ttft_s"] / co["ttft_s"], 3) if co else None,
+                "target_met": bool(
+                    ex and co and r["ttft_s"] <= 0.5 * ex["ttft_s"] and r["ttft_s"] < co["ttft_s"]
+                ),
+            }
+    report = {
+        "workload": {
+            "prompts": a.prompts,
+            "prompt_tokens": [len(p) for p in prompts],
+            "output_tokens": a.output_tokens,
+            "model": {
+                k: getattr(spec, k)
+                for k in ("num_layers", "hidden_size", "num_kv_heads", "head_dim", "dtype")
+            },
+            "kv_bytes_per_token": kv_per_token,
+            "prefix_caching": False,
+            "host_cpus": os.cpu_count(),
+        },
+        "results": {n: {k: v for k, v in r.items() if k != "tokens"} for n, r in results.items()},
+        "summary": summary,
+    }
+    (a.out / "pd_bench.json").write_text(json.dumps(report, indent=2))
+    _plot(
+        report["results"],
+        a.out / "pd_bench.png",
+        f"{a.prompts} prompts x {a.prompt_tokens} tokens, {a.output_tokens} output tokens; "
+        f"{a.layers} layers, {a.kv_heads} KV heads x {a.head_dim}, {a.dtype}; {os.cpu_count()} CPUs",
+    )
+    print(json.dumps(report["summary"], indent=2))
+    print(f"wrote {a.out / 'pd_bench.json'} and {a.out / 'pd_bench.png'}")
+
+
+if __name__ == "__main__":
+    main()

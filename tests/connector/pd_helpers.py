@@ -1,0 +1,124 @@
+"""Helpers for the end-to-end connector tests: prompts, engine configs, process cleanup."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from engine_proc import EngineProc
+
+from vllm_omni_kv.testing.tiny_model import prompt_text
+
+__all__ = [
+    "LOG_DIR",
+    "EngineProc",
+    "engine_cfg",
+    "engines",
+    "kill_group",
+    "live_arena_segment",
+    "make_prompts",
+    "omni_ktc",
+    "omnikv_files",
+    "sweep_dead_segments",
+]
+
+LOG_DIR = Path(os.environ.get("OMNIKV_TEST_LOGS", "/tmp/omnikv-test-logs"))
+
+
+def make_prompts(model_dir: Path, n: int, seed: int = 0) -> list[list[int]]:
+    """``n`` token-id prompts of a few hundred tokens, lengths not multiples of 32."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    out = []
+    for i in range(n):
+        ids = tok(prompt_text(seed * 1000 + i, 170 + 45 * i))["input_ids"]
+        if len(ids) % 32 == 0:
+            ids = ids[:-1]
+        out.append(list(ids))
+    return out
+
+
+def omni_ktc(role: str, policy: str | None = None, **extra: Any) -> dict[str, Any]:
+    """A ``KVTransferConfig`` mapping for :class:`OmniKVConnector`."""
+    ktc: dict[str, Any] = {
+        "kv_connector": "OmniKVConnector",
+        "kv_role": role,
+        "kv_connector_extra_config": extra,
+    }
+    if policy is not None:
+        ktc["kv_load_failure_policy"] = policy
+    return ktc
+
+
+def engine_cfg(model_dir: Path, ktc: dict[str, Any] | None = None, **kw: Any) -> dict[str, Any]:
+    cfg: dict[str, Any] = {"model": str(model_dir), **kw}
+    if ktc is not None:
+        cfg["kv_transfer_config"] = ktc
+    return cfg
+
+
+@contextlib.contextmanager
+def engines(*cfgs: tuple[str, dict[str, Any]]) -> Iterator[list[EngineProc]]:
+    """Start engines concurrently; always stop them, also when a test fails."""
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
+    procs: list[EngineProc] = []
+    before = omnikv_files()
+    try:
+        for name, cfg in cfgs:
+            log = LOG_DIR / f"{name}.log"
+            log.unlink(missing_ok=True)
+            procs.append(EngineProc(cfg, log=log))
+        for p in procs:
+            p.wait_ready()
+        yield procs
+    finally:
+        for p in procs:
+            p.stop()
+        killed = any(p.proc.returncode == -signal.SIGKILL for p in procs)
+        left = {n for n in omnikv_files() - before if not _owned_by_live_process(n)}
+        sweep_dead_segments()
+    if not killed:  # a SIGKILLed producer cannot clean up: sweep_dead_segments did
+        assert not left, f"engines left shared-memory files behind after shutdown: {sorted(left)}"
+
+
+def sweep_dead_segments() -> None:
+    """Unlink shared-memory files left by engines this test killed."""
+    with contextlib.suppress(Exception):
+        from vllm_omni_kv.backends import shm_arena
+
+        shm_arena.sweep_orphans()
+
+
+def kill_group(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+def omnikv_files() -> set[str]:
+    try:
+        return {n for n in os.listdir("/dev/shm") if n.startswith("omnikv")}
+    except FileNotFoundError:
+        return set()
+
+
+def _owned_by_live_process(name: str) -> bool:
+    """Files of processes still running (other users of this host) are not ours to judge."""
+    from vllm_omni_kv.backends import shm_arena
+
+    pid = shm_arena._owner_pid(name)
+    return pid is not None and shm_arena._pid_alive(pid)
+
+
+def live_arena_segment(name: str) -> bool:
+    """An arena segment of a live producer: it outlives single requests by design."""
+    from vllm_omni_kv.backends import shm_arena
+
+    if not name.startswith(shm_arena.SEG_PREFIX):
+        return False
+    pid = shm_arena._owner_pid(name)
+    return pid is not None and shm_arena._pid_alive(pid)
