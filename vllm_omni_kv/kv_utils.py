@@ -1,57 +1,8 @@
-"""Public re-export of :mod:`vllm_omni_kv.transfer.kv_utils`."""
+"""Public re-export of :mod:`vllm_omni_kv.transfer.kv_utils` (``vllm_omni_kv.kv_utils.*``)."""
 
 from __future__ import annotations
 
-from vllm_omni_kv.transfer.kv_utils import (
-    KV_LAYOUTS,
-    KV_ZMQ_MAX_STAGES,
-    KV_ZMQ_MAX_TP_RANKS,
-    KV_ZMQ_PORT_OFFSET,
-    KV_ZMQ_RANK_STRIDE,
-    KV_ZMQ_REPLICA_STRIDE,
-    KVTPTopology,
-    LayerKV,
-    build_rank_aware_recv_keys,
-    build_rank_aware_send_keys,
-    detect_kv_layout,
-    get_kv_connector_key,
-    get_kv_source_ranks,
-    get_kv_target_ranks,
-    get_local_tp_rank,
-    get_omni_replica_id,
-    get_tp_world_size,
-    kv_zmq_port,
-    merge_received_rank_shards,
-    normalize_layer_kv,
-    slice_kv_tensor_heads,
-    slice_layer_blocks,
-    slice_received_rank_shard,
-    validate_kv_tp_topology,
-)
+from vllm_omni_kv.transfer import kv_utils as _impl
+from vllm_omni_kv.transfer.kv_utils import *  # noqa: F403
 
-__all__ = [
-    "KV_LAYOUTS",
-    "KV_ZMQ_MAX_STAGES",
-    "KV_ZMQ_MAX_TP_RANKS",
-    "KV_ZMQ_PORT_OFFSET",
-    "KV_ZMQ_RANK_STRIDE",
-    "KV_ZMQ_REPLICA_STRIDE",
-    "KVTPTopology",
-    "LayerKV",
-    "build_rank_aware_recv_keys",
-    "build_rank_aware_send_keys",
-    "detect_kv_layout",
-    "get_kv_connector_key",
-    "get_kv_source_ranks",
-    "get_kv_target_ranks",
-    "get_local_tp_rank",
-    "get_omni_replica_id",
-    "get_tp_world_size",
-    "kv_zmq_port",
-    "merge_received_rank_shards",
-    "normalize_layer_kv",
-    "slice_kv_tensor_heads",
-    "slice_layer_blocks",
-    "slice_received_rank_shard",
-    "validate_kv_tp_topology",
-]
+__all__ = list(_impl.__all__)

@@ -27,6 +27,11 @@ logger = init_logger(__name__)
 
 __all__ = [
     "KV_LAYOUTS",
+    "KV_ZMQ_MAX_STAGES",
+    "KV_ZMQ_MAX_TP_RANKS",
+    "KV_ZMQ_PORT_OFFSET",
+    "KV_ZMQ_RANK_STRIDE",
+    "KV_ZMQ_REPLICA_STRIDE",
     "KVTPTopology",
     "LayerKV",
     "build_rank_aware_recv_keys",
