@@ -25,10 +25,11 @@ from typing import Any
 
 import torch
 
-from vllm_omni_kv.backends.shm import SharedMemoryConnector
-from vllm_omni_kv.transfer.extract import extract_request_kv, inject_request_kv
+from vllm_omni_kv.transfer.extract import extract_request_kv
+from vllm_omni_kv.transfer.kv_config import DEFAULT_MAX_PART_BYTES, OmniKVCacheConfig
+from vllm_omni_kv.transfer.manager import OmniKVTransferManager
 from vllm_omni_kv.transfer.payload import KVCacheTransferData
-from vllm_omni_kv.transfer.raw_blocks import extract_request_blocks, inject_request_blocks
+from vllm_omni_kv.transfer.raw_blocks import extract_request_blocks
 
 LAYERS, HEADS, DIM, BS = 8, 8, 128, 32
 DTYPE = torch.bfloat16
@@ -75,57 +76,71 @@ def _row(path: str, nbytes: int, seconds: float, memcpy_s: float, **extra: Any) 
 # -- the two-process shared-memory move --------------------------------------------------------
 
 
+def _manager(ns: str, *, send: bool, max_part_bytes: int) -> OmniKVTransferManager:
+    return OmniKVTransferManager(
+        OmniKVCacheConfig(
+            connector_config={"type": "SharedMemoryConnector", "namespace": ns},
+            from_stage="prefill",
+            to_stage="decode",
+            need_send_cache=send,
+            need_recv_cache=not send,
+            recv_timeout=60.0,
+            poll_interval=0.0001,  # the receiver waits on the critical path: poll tightly
+            max_part_bytes=max_part_bytes,
+        )
+    )
+
+
 def _extract(fmt: str, key: str, ids: list[int], tokens: int, caches: list[torch.Tensor]) -> Any:
     if fmt == "blocks":
         return extract_request_blocks(key, ids, tokens, caches)
     return extract_request_kv(key, ids, tokens, caches)
 
 
-def _inject(fmt: str, data: Any, caches: list[torch.Tensor], ids: list[int]) -> None:
-    if fmt == "blocks":
-        inject_request_blocks(data, caches, ids)
-    else:
-        inject_request_kv(data, caches, ids)
-
-
-def _consumer(ns: str, fmt: str, tokens: int, repeats: int, conn_pipe: Any) -> None:
+def _consumer(
+    ns: str, fmt: str, tokens: int, repeats: int, max_part_bytes: int, conn_pipe: Any
+) -> None:
     torch.set_num_threads(1)
     caches, ids = _paged_caches(tokens, seed=99)  # the consumer's own cache, other block ids
-    rx = SharedMemoryConnector({"namespace": ns})
+    mgr = _manager(ns, send=False, max_part_bytes=max_part_bytes)
     try:
         for i in range(repeats + 1):
-            key = f"req{i}"
-            while (got := rx.get("prefill", "decode", key)) is None:
-                pass  # spin: we are measuring latency, not politeness
-            data, _size = got
-            _inject(fmt, data, caches, ids)
-            t_done = time.perf_counter()
-            del data, got
-            conn_pipe.send(t_done)
+            got = mgr.receive_kv_cache_into(f"req{i}", list(caches), ids)
+            if got is None or got[0] != tokens:
+                raise RuntimeError(f"round {i}: received {got}, expected {tokens} tokens")
+            conn_pipe.send((time.perf_counter(), got[1]))
     finally:
-        rx.close()
+        mgr.close()
         conn_pipe.close()
 
 
-def shm_move(nbytes_target: int, repeats: int, fmt: str = "blocks") -> tuple[float, int]:
-    """Median seconds from the producer's extract+put start to the consumer's inject end."""
+def shm_move(
+    nbytes_target: int, repeats: int, fmt: str = "blocks", max_part_bytes: int = 0
+) -> tuple[float, int]:
+    """Median seconds from the producer's extract+send start to the consumer's inject end.
+
+    Both sides run ``OmniKVTransferManager`` (``send_kv_cache`` /
+    ``receive_kv_cache_into``) over the shared-memory backend.
+    """
     tokens = _tokens_for(nbytes_target >> 20)
     caches, ids = _paged_caches(tokens, seed=1)
     ns = f"bench{os.getpid()}"
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_consumer, args=(ns, fmt, tokens, repeats, child))
+    proc = ctx.Process(target=_consumer, args=(ns, fmt, tokens, repeats, max_part_bytes, child))
     proc.start()
-    tx = SharedMemoryConnector({"namespace": ns})
+    tx = _manager(ns, send=True, max_part_bytes=max_part_bytes)
     times = []
     size = 0
     try:
         for i in range(repeats + 1):
-            time.sleep(0.05)  # let the consumer reach its spin loop
+            time.sleep(0.05)  # let the consumer reach its polling loop
             t0 = time.perf_counter()
-            data = _extract(fmt, f"req{i}", ids, tokens, caches)
-            _ok, size, _ = tx.put("prefill", "decode", f"req{i}", data)
-            t_done = parent.recv()
+            if not tx.send_kv_cache(f"req{i}", _extract(fmt, f"req{i}", ids, tokens, caches)):
+                raise RuntimeError(f"round {i}: send failed")
+            if not parent.poll(60):
+                raise RuntimeError("the consumer process did not report (see its traceback)")
+            t_done, size = parent.recv()
             if i:  # the first round allocates the arena: warm-up
                 times.append(t_done - t0)
     finally:
@@ -155,14 +170,24 @@ def measure_size(mib: int, repeats: int) -> list[dict[str, Any]]:
     rows.append(_row("unpack (verify, views)", frame.nbytes, unpack_s, memcpy_s))
     unpack_nv = _median_seconds(lambda: KVCacheTransferData.from_bytes(buf, verify=False), repeats)
     rows.append(_row("unpack (no verify, views)", frame.nbytes, unpack_nv, memcpy_s))
-    move_s, size = shm_move(nbytes, repeats, "blocks")
-    rows.append(_row("shm move, block format (cache->cache, 2 procs)", size, move_s, memcpy_s))
-    tok_s, tok_size = shm_move(nbytes, repeats, "tokens")
-    rows.append(_row("shm move, token format (cache->cache, 2 procs)", tok_size, tok_s, memcpy_s))
+    part = DEFAULT_MAX_PART_BYTES
+    one_s, one_size = shm_move(nbytes, repeats, "blocks", max_part_bytes=0)
+    rows.append(
+        _row("shm move, blocks, one frame (cache->cache, 2 procs)", one_size, one_s, memcpy_s)
+    )
+    move_s, size = shm_move(nbytes, repeats, "blocks", max_part_bytes=part)
+    rows.append(
+        _row("shm move, blocks, layer parts (cache->cache, 2 procs)", size, move_s, memcpy_s)
+    )
+    tok_s, tok_size = shm_move(nbytes, repeats, "tokens", max_part_bytes=part)
+    rows.append(
+        _row("shm move, tokens, layer parts (cache->cache, 2 procs)", tok_size, tok_s, memcpy_s)
+    )
     print(
         f"{mib:4d} MiB  memcpy {nbytes / memcpy_s / 1e9:6.2f} GB/s | pack {frame.nbytes / pack_s / 1e9:6.2f}"
-        f" | unpack {frame.nbytes / unpack_s / 1e9:6.2f} | shm move blocks {size / move_s / 1e9:6.2f} GB/s"
-        f" = {memcpy_s / move_s:.0%} of memcpy | tokens {tok_size / tok_s / 1e9:6.2f} GB/s",
+        f" | unpack {frame.nbytes / unpack_s / 1e9:6.2f} | shm move blocks: one frame"
+        f" {memcpy_s / one_s:.0%}, parts {size / move_s / 1e9:6.2f} GB/s = {memcpy_s / move_s:.0%}"
+        f" of memcpy | tokens {tok_size / tok_s / 1e9:6.2f} GB/s",
         flush=True,
     )
     return rows

@@ -25,7 +25,9 @@ AR_STAGE = REPO / "examples" / "ar_to_diffusion" / "ar_stage.py"
 PROMPT = "the prefill stage hands its cache to the decode engine over shared memory buffer"
 
 
-def _reference_kv(model_dir: Path, prompt: str, dtype: torch.dtype) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]:
+def _reference_kv(
+    model_dir: Path, prompt: str, dtype: torch.dtype
+) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
@@ -33,7 +35,9 @@ def _reference_kv(model_dir: Path, prompt: str, dtype: torch.dtype) -> tuple[int
     ids = tok(prompt, return_tensors="pt")["input_ids"]
     with torch.no_grad():
         pkv = model(ids, use_cache=True).past_key_values
-    layers = [(layer.keys[0].transpose(0, 1), layer.values[0].transpose(0, 1)) for layer in pkv.layers]
+    layers = [
+        (layer.keys[0].transpose(0, 1), layer.values[0].transpose(0, 1)) for layer in pkv.layers
+    ]
     return int(ids.shape[1]), layers
 
 
@@ -41,12 +45,35 @@ def _reference_kv(model_dir: Path, prompt: str, dtype: torch.dtype) -> tuple[int
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_received_kv_matches_transformers(dtype, request):
-    spec = TinyModelSpec(num_layers=2, num_kv_heads=2, num_attention_heads=4, head_dim=64, hidden_size=256, dtype=dtype)
+    spec = TinyModelSpec(
+        num_layers=2,
+        num_kv_heads=2,
+        num_attention_heads=4,
+        head_dim=64,
+        hidden_size=256,
+        dtype=dtype,
+    )
     model_dir = tiny_model(spec)
     ns = f"layout-{dtype}-{id(request)}"
     ar = subprocess.Popen(
-        [sys.executable, str(AR_STAGE), "--model", str(model_dir), "--prompt", PROMPT, "--negative", "noise", "--namespace", ns, "--dtype", dtype],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            str(AR_STAGE),
+            "--model",
+            str(model_dir),
+            "--prompt",
+            PROMPT,
+            "--negative",
+            "noise",
+            "--namespace",
+            ns,
+            "--dtype",
+            dtype,
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         line = next((x for x in ar.stdout if x.startswith("READY ")), None)  # type: ignore[union-attr]
@@ -55,14 +82,25 @@ def test_received_kv_matches_transformers(dtype, request):
         cfg = SimpleNamespace(
             omni_kv_config={
                 "connector_config": {"type": "SharedMemoryConnector", "namespace": ns},
-                "omni_from_stage": "ar", "omni_to_stage": "dit", "stage_id": "dit",
-                "engine_input_source": ["ar"], "need_recv_cache": True, "recv_timeout": 30,
+                "omni_from_stage": "ar",
+                "omni_to_stage": "dit",
+                "stage_id": "dit",
+                "engine_input_source": ["ar"],
+                "need_recv_cache": True,
+                "recv_timeout": 30,
             }
         )
         with OmniKVTransferManager.from_od_config(cfg) as mgr:
             data, size = mgr.receive_kv_cache_for_request(info["positive"])
             assert data is not None and size > 0
-            got = [(k.float().clone(), v.float().clone()) for k, v in zip(data["layer_blocks"]["key_cache"], data["layer_blocks"]["value_cache"], strict=True)]
+            got = [
+                (k.float().clone(), v.float().clone())
+                for k, v in zip(
+                    data["layer_blocks"]["key_cache"],
+                    data["layer_blocks"]["value_cache"],
+                    strict=True,
+                )
+            ]
             neg, _ = mgr.receive_kv_cache_for_request(info["negative"])  # consume it: no leftovers
             assert neg is not None
             del data, neg

@@ -218,9 +218,11 @@ def test_update_sender_info_offsets_port_per_rank(ns):
 # -- across processes --------------------------------------------------------------------
 
 
-def _producer(ns, rank, from_tp, to_tp, req_ids, heads_total, ready, done):
+def _producer(ns, rank, from_tp, to_tp, req_ids, heads_total, ready, done, part_bytes):
     mgr = OmniKVTransferManager.from_od_config(
-        _omni_cfg(ns, send=True, from_tp=from_tp, to_tp=to_tp, rank=rank)
+        _omni_cfg(
+            ns, send=True, from_tp=from_tp, to_tp=to_tp, rank=rank, max_part_bytes=part_bytes
+        )
     )
     caches = [
         head_shard(cpu_layout_cache(i, heads=heads_total), rank, from_tp) for i in range(LAYERS)
@@ -258,10 +260,13 @@ def _consumer(ns, rank, from_tp, to_tp, req_id, heads_total, out):
         out.put((rank, f"error {e!r}"))
 
 
-def _run_topology(ns, from_tp, to_tp, heads_total=HEADS, req="req_x"):
+def _run_topology(ns, from_tp, to_tp, heads_total=HEADS, req="req_x", part_bytes=8 << 20):
     ready, out, done = CTX.Queue(), CTX.Queue(), CTX.Event()
     procs = [
-        CTX.Process(target=_producer, args=(ns, r, from_tp, to_tp, [req], heads_total, ready, done))
+        CTX.Process(
+            target=_producer,
+            args=(ns, r, from_tp, to_tp, [req], heads_total, ready, done, part_bytes),
+        )
         for r in range(from_tp)
     ]
     procs += [
@@ -293,6 +298,13 @@ def test_ar_to_diffusion_transfer(ns):
 @pytest.mark.parametrize(("from_tp", "to_tp"), [(2, 1), (1, 2), (4, 2)])
 def test_heterogeneous_tp(ns, from_tp, to_tp):
     _run_topology(ns, from_tp, to_tp, heads_total=8)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("from_tp", "to_tp"), [(1, 1), (2, 1), (1, 2)])
+def test_layer_parts_across_processes(ns, from_tp, to_tp):
+    """One part per layer (max_part_bytes=1): receivers reassemble bit-identical KV, TP included."""
+    _run_topology(ns, from_tp, to_tp, heads_total=8, part_bytes=1)
 
 
 def test_receive_multi_kv_cache_with_cfg_companions(ns):

@@ -255,12 +255,17 @@ def test_fuzz_plain_objects_round_trip(obj):
     assert codec.decode(codec.encode(obj).to_bytearray()) == obj
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (runs on GPU machines)")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (runs on GPU machines)"
+)
 def test_device_frame_stays_on_the_accelerator():
     src = _kv()
     cuda = KVCacheTransferData(
         src.request_id,
-        {n: [t.cuda() if t is not None else None for t in ls] for n, ls in src.layer_blocks.items()},
+        {
+            n: [t.cuda() if t is not None else None for t in ls]
+            for n, ls in src.layer_blocks.items()
+        },
         src.block_ids,
         src.metadata,
     )

@@ -82,6 +82,7 @@ class Segment:
     name: str
     capacity: int  # frame bytes it can hold (excludes the slot header)
     mm: mmap.mmap
+    last_use: int = 0  # producer-side acquire counter: the highest is the most cache-hot
 
     def state(self) -> tuple[int, int]:
         st, _pad, gen = SLOT_HEADER.unpack_from(self.mm, 0)
@@ -99,6 +100,7 @@ class ProducerArena:
         self.populate = populate
         self.pid = os.getpid()
         self._segments: list[Segment] = []
+        self._uses = 0
         self._lock = threading.Lock()
 
     @property
@@ -108,18 +110,26 @@ class ProducerArena:
     def acquire(self, nbytes: int) -> tuple[Segment, bool]:
         """A segment able to hold ``nbytes``; ``(segment, pooled)``. One-shot when the pool is full."""
         with self._lock:
+            self._uses += 1
             best: Segment | None = None
             for seg in self._segments:
                 if seg.capacity >= nbytes and seg.state()[0] == FREE:
-                    if best is None or seg.capacity < best.capacity:
+                    # smallest fit; among equals the most recently used (its pages are
+                    # likely still in the CPU cache, so rewriting them avoids DRAM reads)
+                    if best is None or (seg.capacity, -seg.last_use) < (
+                        best.capacity,
+                        -best.last_use,
+                    ):
                         best = seg
             if best is not None:
                 best.set_state(ONESHOT, best.state()[1])  # reserved: not FREE while we write
+                best.last_use = self._uses
                 return best, True
             cap = size_class(nbytes)
             pooled = self.total_bytes + cap <= self.max_bytes
             seg = self._new_segment(cap if pooled else nbytes)
             seg.set_state(ONESHOT, 0)
+            seg.last_use = self._uses
             if pooled:
                 self._segments.append(seg)
             return seg, pooled

@@ -11,6 +11,7 @@ gathered straight into the transport buffer.
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,7 @@ from vllm_omni_kv.connector.metadata import LoadSpec, SaveSpec
 from vllm_omni_kv.errors import KVPayloadError
 from vllm_omni_kv.transfer import codec
 from vllm_omni_kv.transfer.blocks import gather_request_kv, scatter_request_kv
+from vllm_omni_kv.transfer.raw_blocks import iter_gather_blocks, scatter_blocks
 
 
 @dataclass
@@ -38,25 +40,9 @@ def _fill(blocks: torch.Tensor, ids: torch.Tensor, n: int, dst: torch.Tensor) ->
     gather_request_kv(blocks, ids, n, out=dst)
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    # index_copy_ has no CPU kernel for fp8: same-size integers move the same bytes
-    return t.view(torch.uint8) if t.dtype.is_floating_point and t.element_size() == 1 else t
-
-
-def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
-    """``(offset in ids, first block id, length)`` of each run of consecutive block ids."""
-    runs: list[tuple[int, int, int]] = []
-    for off, b in enumerate(ids):
-        if runs and runs[-1][1] + runs[-1][2] == b:
-            o, first, n = runs[-1]
-            runs[-1] = (o, first, n + 1)
-        else:
-            runs.append((off, b, 1))
-    return runs
-
-
-def _fill_raw(cache: torch.Tensor, dim: int, ids: torch.Tensor, dst: torch.Tensor) -> None:
-    torch.index_select(_bytes(cache), dim, ids, out=_bytes(dst))
+def _fill_raw(layer: LayerCache, ids: list[int], dst: torch.Tensor) -> Iterator[int]:
+    assert layer.raw is not None
+    return iter_gather_blocks(layer.raw, layer.layout, ids, dst)
 
 
 def build_payload(
@@ -79,7 +65,7 @@ def build_payload(
                 codec.LazyTensor(
                     tuple(raw_shape),
                     layer.raw.dtype,
-                    functools.partial(_fill_raw, layer.raw, layer.block_dim, ids),
+                    functools.partial(_fill_raw, layer, list(spec.block_ids)),
                 )
             )
         md["format"] = "raw_blocks"
@@ -191,7 +177,6 @@ def _inject_raw(
     ids = spec.block_ids[first:n_blocks]
     if len(ids) != n_blocks - first:
         raise KVPayloadError(f"{len(spec.block_ids)} local blocks cannot hold {n_blocks}")
-    runs = _runs(ids)
     for i, layer in enumerate(layers):
         t = got_layers[i]
         assert layer.raw is not None
@@ -204,6 +189,5 @@ def _inject_raw(
             )
     for i, layer in enumerate(layers):
         assert layer.raw is not None
-        dst, src, dim = _bytes(layer.raw), _bytes(got_layers[i]), layer.block_dim
-        for off, block, length in runs:  # one memcpy per run of consecutive blocks
-            dst.narrow(dim, block, length).copy_(src.narrow(dim, first + off, length))
+        src = got_layers[i].narrow(layer.block_dim, first, len(ids))
+        scatter_blocks(layer.raw, layer.layout, ids, src)  # one memmove per run of blocks

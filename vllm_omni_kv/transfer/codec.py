@@ -26,7 +26,7 @@ import ctypes
 import math
 import struct
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,12 +77,14 @@ class LazyTensor:
     """A tensor whose bytes are produced straight into the frame by ``fill(dst)``.
 
     Used to gather KV blocks from a paged cache directly into a transport
-    buffer, with no intermediate copy.
+    buffer, with no intermediate copy. ``fill`` may return an iterator of
+    "bytes of ``dst`` written so far": the packer then checksums each step
+    while it is still in cache instead of re-reading the whole span.
     """
 
     shape: tuple[int, ...]
     dtype: torch.dtype
-    fill: Callable[[torch.Tensor], None]
+    fill: Callable[[torch.Tensor], Iterator[int] | None]
     device: torch.device = torch.device("cpu")
 
     @property
@@ -190,6 +192,15 @@ class Frame:
                 if nbytes:
                     if isinstance(src, memoryview):
                         mv[base + off : base + off + nbytes] = src
+                    elif isinstance(src, LazyTensor) and hasher is not None:
+                        dst = torch.frombuffer(
+                            mv, dtype=torch.uint8, count=nbytes, offset=base + off
+                        )
+                        steps = src.fill(dst.view(src.dtype).view(self._shape(src)))
+                        del dst
+                        for done in _progress(steps):
+                            hasher.update(mv[hashed : base + off + done])
+                            hashed = base + off + done
                     else:
                         dst = torch.frombuffer(
                             mv, dtype=torch.uint8, count=nbytes, offset=base + off
@@ -247,9 +258,15 @@ class Frame:
         return torch.device("cpu")
 
 
+def _progress(result: Any) -> Iterator[int]:
+    """A ``LazyTensor.fill`` result as progress steps (fills may return None or anything else)."""
+    return result if isinstance(result, Iterator) else iter(())
+
+
 def _fill(src: TensorLike, dst: torch.Tensor) -> None:
     if isinstance(src, LazyTensor):
-        src.fill(dst)
+        for _ in _progress(src.fill(dst)):
+            pass
     elif (
         src.device.type == "cpu"
         and dst.device.type == "cpu"

@@ -121,7 +121,7 @@ def _finish(
     target_device: torch.device | None,
 ) -> None:
     if target_device is not None:
-        from vllm_omni_kv.transfer.manager import _to_device
+        from vllm_omni_kv.transfer.receiver import _to_device
 
         manager.apply_kv_cache_to_request(req, _to_device(_primary_payload(req), target_device))
     extras = result.get("extras") or {}

@@ -7,6 +7,9 @@ from typing import Any
 
 from vllm_omni_kv.errors import ConfigError
 
+#: payloads above this many bytes travel as layer-wise parts (see ``transfer.parts``)
+DEFAULT_MAX_PART_BYTES = 8 << 20
+
 
 @dataclass
 class OmniKVCacheConfig:
@@ -14,7 +17,10 @@ class OmniKVCacheConfig:
 
     ``local_rank`` (beyond the reference) pins this process's TP rank; by
     default it comes from vLLM's TP group (0 outside vLLM). ``send_retries``
-    and ``retry_backoff`` bound the send retry loop.
+    and ``retry_backoff`` bound the send retry loop. ``max_part_bytes`` splits
+    larger payloads into layer-wise parts that a waiting receiver consumes
+    while later parts are still being packed (0: one frame per payload).
+    ``poll_interval`` caps the receive-side polling backoff (seconds).
     """
 
     connector_config: dict[str, Any] | None = None
@@ -30,6 +36,8 @@ class OmniKVCacheConfig:
     local_rank: int | None = None
     send_retries: int = 3
     retry_backoff: float = 0.05
+    max_part_bytes: int = DEFAULT_MAX_PART_BYTES
+    poll_interval: float = 0.02
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -39,6 +47,14 @@ class OmniKVCacheConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"rank_mapping.{name} must be an int >= 1, got {value!r}")
+        if not isinstance(self.max_part_bytes, int) or self.max_part_bytes < 0:
+            raise ConfigError(
+                f"max_part_bytes must be an int >= 0 (0 disables parts), got {self.max_part_bytes!r}"
+            )
+        if not isinstance(self.poll_interval, (int, float)) or not 0 < self.poll_interval <= 1:
+            raise ConfigError(
+                f"poll_interval must be a number of seconds in (0, 1], got {self.poll_interval!r}"
+            )
         if self.send_retries < 1:
             raise ConfigError(f"send_retries must be >= 1, got {self.send_retries}")
         if self.connector_config is not None and not isinstance(self.connector_config, dict):
@@ -65,6 +81,8 @@ def config_from_omni_kv(kv: Any, stage_id: Any = None) -> OmniKVCacheConfig:
         from_tp=int(field_of(rank_mapping, "from_tp", 1)),
         to_tp=int(field_of(rank_mapping, "to_tp", 1)),
         local_rank=field_of(kv, "local_rank"),
+        max_part_bytes=int(field_of(kv, "max_part_bytes", DEFAULT_MAX_PART_BYTES)),
+        poll_interval=float(field_of(kv, "poll_interval", 0.02)),
     )
 
 

@@ -14,7 +14,12 @@ import torch
 
 from vllm_omni_kv.backends.base import OmniConnectorBase
 from vllm_omni_kv.backends.factory import OmniConnectorFactory
-from vllm_omni_kv.errors import BackendUnavailable, ConfigError, KVPayloadError, OmniKVError
+from vllm_omni_kv.errors import (
+    BackendUnavailable,
+    ConfigError,
+    KVPayloadError,
+    OmniKVError,
+)
 from vllm_omni_kv.logger import init_logger
 from vllm_omni_kv.transfer import distributed
 from vllm_omni_kv.transfer.config import ConnectorSpec
@@ -23,21 +28,20 @@ from vllm_omni_kv.transfer.kv_config import OmniKVCacheConfig, config_from_omni_
 from vllm_omni_kv.transfer.kv_utils import (
     KVTPTopology,
     LayerKV,
-    build_rank_aware_recv_keys,
     build_rank_aware_send_keys,
     get_local_tp_rank,
-    kv_zmq_port,
-    merge_received_rank_shards,
-    slice_received_rank_shard,
     validate_kv_tp_topology,
 )
+from vllm_omni_kv.transfer.parts import (
+    send_parts,
+)
 from vllm_omni_kv.transfer.payload import KVCacheTransferData
-from vllm_omni_kv.transfer.raw_blocks import blocks_to_tokens, is_block_payload
+from vllm_omni_kv.transfer.receiver import KVReceiver
 
 logger = init_logger(__name__)
 
 
-class OmniKVTransferManager:
+class OmniKVTransferManager(KVReceiver):
     """Unified management of an omni connector and the KV transfers through it."""
 
     def __init__(self, config: OmniKVCacheConfig) -> None:
@@ -180,7 +184,11 @@ class OmniKVTransferManager:
         )
 
     def send_kv_cache(self, request_id: str, data: KVCacheTransferData | Any) -> bool:
-        """Send ``data`` to every target rank's key, retrying with backoff; True when all succeeded."""
+        """Send ``data`` to every target rank's key, retrying with backoff; True when all succeeded.
+
+        Payloads above ``max_part_bytes`` go out as layer-wise parts (see
+        :mod:`vllm_omni_kv.transfer.parts`).
+        """
         from_stage, to_stage = self.send_stages
         if from_stage is None or to_stage is None:
             raise ConfigError("sending needs omni_from_stage and omni_to_stage in the config")
@@ -188,7 +196,11 @@ class OmniKVTransferManager:
             request_id, from_stage, to_stage, self.topology(sending=True), self.kv_send_key_builder
         )
         conn = self.connector
-        return all(self._put_with_retry(conn, from_stage, to_stage, k, data) for k in keys)
+
+        def put(key: str, part: Any) -> bool:
+            return self._put_with_retry(conn, from_stage, to_stage, key, part)
+
+        return all(send_parts(put, k, data, self.config.max_part_bytes) for k in keys)
 
     def _put_with_retry(
         self, conn: OmniConnectorBase, from_stage: str, to_stage: str, key: str, data: Any
@@ -247,101 +259,6 @@ class OmniKVTransferManager:
         return sent
 
     # -- receive side -----------------------------------------------------------------------
-    def update_sender_info(
-        self, sender_info: dict[Any, Any], sender_stage_id: str | int | None = None
-    ) -> None:
-        """Record the sender's host and rank-0 ZMQ port (offset per TP rank on use)."""
-        info = sender_info
-        if sender_stage_id is not None and isinstance(sender_info.get(sender_stage_id), dict):
-            info = sender_info[sender_stage_id]
-        elif sender_stage_id is not None and isinstance(
-            sender_info.get(str(sender_stage_id)), dict
-        ):
-            info = sender_info[str(sender_stage_id)]
-        host = info.get("host") or info.get("sender_host")
-        port = info.get("zmq_port") or info.get("sender_zmq_port") or info.get("port")
-        if not host or port is None:
-            raise ConfigError(f"sender_info needs 'host' and 'zmq_port', got keys {sorted(info)}")
-        self._sender_base = (str(host), int(port))
-        if self._connector is not None:
-            self._push_sender_info()
-
-    def _rank_port(self, rank: int) -> int:
-        assert self._sender_base is not None
-        return self._sender_base[1] + kv_zmq_port(0, 0, rank, 0) - kv_zmq_port(0, 0, 0, 0)
-
-    def _push_sender_info(self) -> None:
-        conn = self._connector
-        if conn is None or self._sender_base is None or not hasattr(conn, "update_sender_info"):
-            return
-        topo = self.topology(sending=False)
-        rank = self.local_rank if not topo.is_heterogeneous else 0
-        conn.update_sender_info(self._sender_base[0], self._rank_port(rank))
-
-    def _rank_metadata(self, from_rank: int | None) -> dict[str, Any] | None:
-        if from_rank is None or self._sender_base is None:
-            return None
-        return {"source_host": self._sender_base[0], "source_port": self._rank_port(from_rank)}
-
-    def _poll(self, from_stage: str, to_stage: str, key: str, meta: Any, deadline: float) -> Any:
-        conn = self.connector
-        delay = 0.0005
-        while True:
-            got = conn.get(from_stage, to_stage, key, meta)
-            if got is not None:
-                return got
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return None
-            time.sleep(min(delay, remaining))
-            delay = min(delay * 2, 0.02)
-
-    def receive_kv_cache_for_request(
-        self, request_id: str, target_device: torch.device | None = None
-    ) -> tuple[dict[str, Any] | None, int]:
-        """Receive (and merge/slice for heterogeneous TP) one request's KV; ``(None, 0)`` on timeout.
-
-        Corrupt payloads raise ``KVPayloadError``: waiting longer cannot fix them.
-        """
-        from_stage, to_stage = self.recv_stages
-        if from_stage is None or to_stage is None:
-            raise ConfigError(
-                "receiving needs need_recv_cache, a source stage (engine_input_source or "
-                "omni_from_stage) and stage_id"
-            )
-        topo = self.topology(sending=False)
-        keys = build_rank_aware_recv_keys(
-            request_id, from_stage, to_stage, topo, self.kv_recv_key_builder
-        )
-        deadline = time.monotonic() + float(self.config.recv_timeout)
-        payloads: list[dict[str, Any]] = []
-        total = 0
-        for key, from_rank in keys:
-            got = self._poll(from_stage, to_stage, key, self._rank_metadata(from_rank), deadline)
-            if got is None:
-                logger.warning(
-                    "no KV for request %s (key %s) within %.1fs",
-                    request_id,
-                    key,
-                    self.config.recv_timeout,
-                )
-                return None, 0
-            obj, size = got
-            payloads.append(blocks_to_tokens(obj) if is_block_payload(obj) else obj)
-            total += size
-        data: dict[str, Any] | None
-        if len(payloads) > 1:
-            data = merge_received_rank_shards(payloads, merger=self.kv_payload_merger)
-        else:
-            data = payloads[0]
-        if topo.target_tp_size > topo.source_tp_size:
-            data = slice_received_rank_shard(data, topo, slicer=self.kv_payload_slicer)
-        if data is not None:
-            data = _trim_to_num_tokens(data)
-        if data is not None and target_device is not None:
-            data = _to_device(data, target_device)
-        return data, total
-
     def receive_kv_cache(self, req: Any, target_device: torch.device | None = None) -> bool:
         """Receive KV for ``req.request_id`` and attach it to ``req`` (legacy interface)."""
         try:
@@ -430,27 +347,3 @@ def _attach_extras(req: Any, extras: dict[str, Any]) -> None:
     target = getattr(req, "sampling_params", None) or req
     for k, v in extras.items():
         setattr(target, k, v)
-
-
-def _trim_to_num_tokens(data: dict[str, Any]) -> dict[str, Any]:
-    """Producers may ship whole blocks; keep the first ``metadata.num_tokens`` rows (views)."""
-    n = (data.get("metadata") or {}).get("num_tokens")
-    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-        return data
-    blocks = {
-        name: [t[:n] if isinstance(t, torch.Tensor) and t.shape[0] > n else t for t in layers]
-        if isinstance(layers, list)
-        else layers
-        for name, layers in data.get("layer_blocks", {}).items()
-    }
-    return {**data, "layer_blocks": blocks}
-
-
-def _to_device(data: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    blocks = {
-        name: [t.to(device) if isinstance(t, torch.Tensor) else t for t in layers]
-        if isinstance(layers, list)
-        else layers
-        for name, layers in data.get("layer_blocks", {}).items()
-    }
-    return {**data, "layer_blocks": blocks}

@@ -17,7 +17,7 @@ connector writes it, a per-layer ``layouts`` list), ``block_size`` and ``num_tok
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -41,6 +41,10 @@ def _block_dim(layout: str) -> int:
     return BLOCK_DIM[layout]
 
 
+#: gathers report progress about this often, so the packer hashes bytes still in cache
+STEP_BYTES = 256 << 10
+
+
 def _memmove_ok(cache: torch.Tensor, other: torch.Tensor, dim: int) -> bool:
     return (
         dim == 0
@@ -52,33 +56,67 @@ def _memmove_ok(cache: torch.Tensor, other: torch.Tensor, dim: int) -> bool:
     )
 
 
-def gather_blocks(cache: torch.Tensor, layout: str, ids: list[int], out: torch.Tensor) -> None:
-    """Copy blocks ``ids`` of ``cache`` into ``out`` (their raw layout, block dim first/second)."""
+def block_runs(ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``(offset in ids, first block id, length)`` of each run of consecutive block ids."""
+    runs: list[tuple[int, int, int]] = []
+    for off, b in enumerate(ids):
+        if runs and runs[-1][1] + runs[-1][2] == b:
+            o, first, n = runs[-1]
+            runs[-1] = (o, first, n + 1)
+        else:
+            runs.append((off, b, 1))
+    return runs
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    # index_select/index_copy_ have no CPU kernels for fp8: same-size ints move the same bytes
+    return t.view(torch.uint8) if t.dtype.is_floating_point and t.element_size() == 1 else t
+
+
+def iter_gather_blocks(
+    cache: torch.Tensor, layout: str, ids: Sequence[int], out: torch.Tensor
+) -> Iterator[int]:
+    """Copy blocks ``ids`` of ``cache`` into ``out``, yielding the bytes of ``out`` written so far.
+
+    On CPU every run of consecutive blocks is one ``memmove`` (split into
+    ``STEP_BYTES`` steps), so a caller can checksum each step while it is in cache.
+    """
     dim = _block_dim(layout)
     if _memmove_ok(cache, out, dim):
         per = cache[0].numel() * cache.element_size()
+        step = max(1, STEP_BYTES // per)
         base, dst = cache.data_ptr(), out.data_ptr()
-        for j, b in enumerate(ids):
-            ctypes.memmove(dst + j * per, base + b * per, per)
+        for off, first, n in block_runs(ids):
+            for j in range(0, n, step):
+                k = min(step, n - j)
+                ctypes.memmove(dst + (off + j) * per, base + (first + j) * per, k * per)
+                yield (off + j + k) * per
         return
-    idx = torch.tensor(ids, dtype=torch.long, device=cache.device)
+    idx = torch.tensor(list(ids), dtype=torch.long, device=cache.device)
     if out.device == cache.device:
-        torch.index_select(cache, dim, idx, out=out)
+        torch.index_select(_as_bytes(cache), dim, idx, out=_as_bytes(out))
     else:  # e.g. a GPU cache packed into a host buffer
         out.copy_(torch.index_select(cache, dim, idx))
+    yield out.numel() * out.element_size()
 
 
-def scatter_blocks(cache: torch.Tensor, layout: str, ids: list[int], src: torch.Tensor) -> None:
-    """Write raw blocks ``src`` into blocks ``ids`` of ``cache``."""
+def gather_blocks(cache: torch.Tensor, layout: str, ids: Sequence[int], out: torch.Tensor) -> None:
+    """Copy blocks ``ids`` of ``cache`` into ``out`` (their raw layout, block dim first/second)."""
+    for _ in iter_gather_blocks(cache, layout, ids, out):
+        pass
+
+
+def scatter_blocks(cache: torch.Tensor, layout: str, ids: Sequence[int], src: torch.Tensor) -> None:
+    """Write raw blocks ``src`` into blocks ``ids`` of ``cache`` (one memmove per run on CPU)."""
     dim = _block_dim(layout)
     if _memmove_ok(cache, src, dim):
         per = cache[0].numel() * cache.element_size()
         base, s = cache.data_ptr(), src.data_ptr()
-        for j, b in enumerate(ids):
-            ctypes.memmove(base + b * per, s + j * per, per)
+        for off, first, n in block_runs(ids):
+            ctypes.memmove(base + first * per, s + off * per, n * per)
         return
-    idx = torch.tensor(ids, dtype=torch.long, device=cache.device)
-    cache.index_copy_(dim, idx, src.to(cache.device))
+    idx = torch.tensor(list(ids), dtype=torch.long, device=cache.device)
+    _as_bytes(cache).index_copy_(dim, idx, _as_bytes(src.to(cache.device)))
 
 
 def _layout_of(layer: torch.Tensor, layout: str | None) -> str:
@@ -120,8 +158,8 @@ def extract_request_blocks(
         shape = list(cache.shape)
         shape[dim] = needed
 
-        def fill(dst: torch.Tensor, cache: torch.Tensor = cache) -> None:
-            gather_blocks(cache, lay, ids, dst)
+        def fill(dst: torch.Tensor, cache: torch.Tensor = cache) -> Iterator[int]:
+            return iter_gather_blocks(cache, lay, ids, dst)
 
         layers.append(LazyTensor(tuple(shape), cache.dtype, fill, cache.device))
     meta = {
