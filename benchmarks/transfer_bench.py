@@ -7,7 +7,8 @@ bytes measured in the same run (the physical limit of this machine).
 
 The KV shape is realistic: 8 layers x 8 KV heads x head size 128, bf16, vLLM 0.32's CPU
 paged layout with block size 32 and shuffled block ids; the consumer injects into its own
-paged cache. Rows report the median of the timed repeats (after one warm-up).
+paged cache. Rows report the median of the timed repeats (after one warm-up); the moves
+run in ``--trials`` rounds, each against a memcpy measured just before it.
 """
 
 from __future__ import annotations
@@ -151,15 +152,31 @@ def shm_move(
     return statistics.median(times), size
 
 
-def measure_size(mib: int, repeats: int) -> list[dict[str, Any]]:
-    """memcpy, pack, unpack and the two-process move for one payload size."""
+MOVES = [
+    ("shm move, blocks, one frame (cache->cache, 2 procs)", "blocks", 0),
+    ("shm move, blocks, layer parts (cache->cache, 2 procs)", "blocks", DEFAULT_MAX_PART_BYTES),
+    ("shm move, tokens, layer parts (cache->cache, 2 procs)", "tokens", DEFAULT_MAX_PART_BYTES),
+]
+
+
+def measure_size(mib: int, repeats: int, trials: int) -> list[dict[str, Any]]:
+    """memcpy, pack, unpack and the two-process moves for one payload size.
+
+    The moves run in ``trials`` rounds, each with its own memcpy baseline: this host's
+    memory bandwidth drifts by +-20% within minutes, so a move is compared with the
+    memcpy measured right before it, and rows report the median over trials.
+    """
     tokens = _tokens_for(mib)
     caches, ids = _paged_caches(tokens, seed=1)
     nbytes = tokens * BYTES_PER_TOKEN
     src = torch.empty(nbytes, dtype=torch.uint8).random_()
     dst = torch.empty_like(src)
     dst.copy_(src)
-    memcpy_s = _median_seconds(lambda: dst.copy_(src), repeats * 2)
+
+    def memcpy() -> float:
+        return _median_seconds(lambda: dst.copy_(src), repeats * 2)
+
+    memcpy_s = memcpy()
     rows = [_row("memcpy", nbytes, memcpy_s, memcpy_s)]
     frame = extract_request_blocks("r", ids, tokens, caches).frame()
     buf = bytearray(frame.nbytes)
@@ -170,34 +187,34 @@ def measure_size(mib: int, repeats: int) -> list[dict[str, Any]]:
     rows.append(_row("unpack (verify, views)", frame.nbytes, unpack_s, memcpy_s))
     unpack_nv = _median_seconds(lambda: KVCacheTransferData.from_bytes(buf, verify=False), repeats)
     rows.append(_row("unpack (no verify, views)", frame.nbytes, unpack_nv, memcpy_s))
-    part = DEFAULT_MAX_PART_BYTES
-    one_s, one_size = shm_move(nbytes, repeats, "blocks", max_part_bytes=0)
-    rows.append(
-        _row("shm move, blocks, one frame (cache->cache, 2 procs)", one_size, one_s, memcpy_s)
-    )
-    move_s, size = shm_move(nbytes, repeats, "blocks", max_part_bytes=part)
-    rows.append(
-        _row("shm move, blocks, layer parts (cache->cache, 2 procs)", size, move_s, memcpy_s)
-    )
-    tok_s, tok_size = shm_move(nbytes, repeats, "tokens", max_part_bytes=part)
-    rows.append(
-        _row("shm move, tokens, layer parts (cache->cache, 2 procs)", tok_size, tok_s, memcpy_s)
-    )
-    print(
-        f"{mib:4d} MiB  memcpy {nbytes / memcpy_s / 1e9:6.2f} GB/s | pack {frame.nbytes / pack_s / 1e9:6.2f}"
-        f" | unpack {frame.nbytes / unpack_s / 1e9:6.2f} | shm move blocks: one frame"
-        f" {memcpy_s / one_s:.0%}, parts {size / move_s / 1e9:6.2f} GB/s = {memcpy_s / move_s:.0%}"
-        f" of memcpy | tokens {tok_size / tok_s / 1e9:6.2f} GB/s",
-        flush=True,
-    )
+    samples: dict[str, list[tuple[float, float, int]]] = {path: [] for path, _f, _p in MOVES}
+    for _ in range(trials):
+        base = memcpy()
+        for path, fmt, part in MOVES:
+            move_s, size = shm_move(nbytes, repeats, fmt, max_part_bytes=part)
+            samples[path].append((move_s, base, size))
+    line = f"{mib:4d} MiB  memcpy {nbytes / memcpy_s / 1e9:6.2f} GB/s | pack {frame.nbytes / pack_s / 1e9:6.2f}"
+    for path, _fmt, part in MOVES:
+        got = samples[path]
+        fractions = [b / m for m, b, _ in got]
+        move_s = statistics.median(m for m, _, _ in got)
+        size = got[0][2]
+        row = _row(path, size, move_s, statistics.median(b for _, b, _ in got))
+        row["fraction_of_memcpy"] = statistics.median(fractions)
+        row["fraction_samples"] = [round(f, 3) for f in fractions]
+        row["max_part_bytes"] = part
+        rows.append(row)
+        line += f" | {path.split(' (')[0][10:]}: {row['fraction_of_memcpy']:.0%}"
+        line += f" ({min(fractions):.0%}-{max(fractions):.0%})"
+    print(line, flush=True)
     return rows
 
 
-def run(sizes_mib: list[int], repeats: int) -> list[dict[str, Any]]:
+def run(sizes_mib: list[int], repeats: int, trials: int = 3) -> list[dict[str, Any]]:
     torch.set_num_threads(1)  # one core per process: the consumer owns the other
     rows: list[dict[str, Any]] = []
     for mib in sizes_mib:
-        rows += measure_size(mib, repeats)
+        rows += measure_size(mib, repeats, trials)
     return rows
 
 
@@ -255,7 +272,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[1, 4, 16, 64, 256])
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--quick", action="store_true", help="1 and 4 MiB, 3 repeats")
+    ap.add_argument("--trials", type=int, default=3, help="rounds of the shm moves per size")
+    ap.add_argument("--quick", action="store_true", help="1 and 4 MiB, 3 repeats, 1 trial")
     ap.add_argument("--no-mooncake", action="store_true")
     ap.add_argument("--out", type=Path, default=RESULTS / "transfer_bench.json")
     ap.add_argument("--plot-only", action="store_true", help="redraw the PNG from an existing JSON")
@@ -263,8 +281,8 @@ def main(argv: list[str] | None = None) -> None:
     if a.plot_only:
         plot(json.loads(a.out.read_text())["rows"], a.out.with_suffix(".png"))
         return
-    sizes, repeats = ([1, 4], 3) if a.quick else (a.sizes, a.repeats)
-    rows = run(sizes, repeats)
+    sizes, repeats, trials = ([1, 4], 3, 1) if a.quick else (a.sizes, a.repeats, a.trials)
+    rows = run(sizes, repeats, trials)
     if not a.no_mooncake:
         rows += _extra_backends(sizes, repeats)
     a.out.parent.mkdir(parents=True, exist_ok=True)
@@ -280,6 +298,7 @@ def main(argv: list[str] | None = None) -> None:
             "dtype": str(DTYPE),
         },
         "repeats": repeats,
+        "trials": trials,
         "rows": rows,
     }
     a.out.write_text(json.dumps(result, indent=2))
