@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -319,6 +320,67 @@ def test_stalled_sender_is_bounded_by_transfer_timeout() -> None:
         os.kill(pid, signal.SIGCONT)
         r.close()
         proc.stop()
+
+
+@pytest.mark.mooncake
+@pytest.mark.slow
+def test_pull_after_a_stall_succeeds_on_a_fresh_connection() -> None:
+    """A stalled pull gives up; once the sender runs again the same key is pulled intact."""
+    proc = SenderProcess(te_config("sender", pool_mib=64))
+    r = _conn("receiver", pool_mib=64, side_channel_timeout_s=2.0, transfer_timeout_s=2.0)
+    pid = proc.proc.pid
+    assert pid is not None
+    data = torch.arange(8 << 20, dtype=torch.int32).to(torch.uint8)
+    try:
+        meta = proc.call(op="put", key="again", data=data)["meta"]
+        os.kill(pid, signal.SIGSTOP)
+        assert r.get("0", "1", "again", meta) is None
+        os.kill(pid, signal.SIGCONT)
+        got = None
+        deadline = time.monotonic() + 20
+        endpoint = {k: meta[k] for k in ("source_host", "source_port")}
+        while got is None and time.monotonic() < deadline:
+            got = r.get("0", "1", "again", endpoint)
+        assert got is not None, r.health()
+        buf, size = got
+        assert size == data.numel() and torch.equal(buf.tensor[:size], data)
+        buf.release()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        r.close()
+        proc.stop()
+
+
+@pytest.mark.mooncake
+def test_tcp_progress_timeout_sets_mooncake_env() -> None:
+    """``tcp_progress_timeout_s`` reaches Mooncake unless the user set the variable."""
+    code = (
+        "import os\n"
+        "os.environ.pop('MC_TCP_PROGRESS_TIMEOUT_SEC', None)\n"
+        "from vllm_omni_kv.backends.mooncake_te import MooncakeTransferEngineConnector as C\n"
+        "c = C({'role': 'receiver', 'protocol': 'tcp', 'host': '127.0.0.1',\n"
+        "       'memory_pool_size': 1 << 20, 'tcp_progress_timeout_s': 2})\n"
+        "print('MC=' + os.environ['MC_TCP_PROGRESS_TIMEOUT_SEC'])\n"
+        "c.close()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "MC_TCP_PROGRESS_TIMEOUT_SEC"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert "MC=2" in out.stdout, out.stderr[-2000:]
+    env["MC_TCP_PROGRESS_TIMEOUT_SEC"] = "7"
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            code.replace("os.environ.pop('MC_TCP_PROGRESS_TIMEOUT_SEC', None)", ""),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert "MC=7" in out.stdout, out.stderr[-2000:]
 
 
 @pytest.mark.mooncake

@@ -18,7 +18,16 @@ put before the block is freed; 0 = until cleanup/TTL), ``buffer_ttl_s``,
 ``get`` keeps asking for a key that is not there yet), ``raise_on_timeout``
 (raise ``KVTransferTimeout`` instead of logging and returning None),
 ``lease_slack_s``, ``frame_checksum`` (xxh3 over packed objects, default True;
-RDMA/TCP already protect the bytes in flight).
+RDMA/TCP already protect the bytes in flight), ``tcp_progress_timeout_s``
+(default 3: Mooncake's TCP transport drops a connection that moves no byte for
+this long, and the pull is retried on a fresh one; it sets
+``MC_TCP_PROGRESS_TIMEOUT_SEC`` unless that is already in the environment).
+
+Mooncake 0.3.13's TCP transport sometimes stops moving a transfer on an
+established connection (upstream kvcache-ai/Mooncake#4209, fix pending in #4234);
+inside vLLM engines on a busy host this happened to one pull in a few. The
+short progress timeout turns each such stall into a ~3 s retry instead of a
+30 s one.
 
 Packages: ``pip install mooncake-transfer-engine`` (CUDA builds) or
 ``pip install mooncake-transfer-engine-non-cuda`` (CPU-only hosts).
@@ -65,9 +74,9 @@ class MooncakeEngine:
         rpc_port: int | None = None,
         progress_timeout_s: float | None = None,
     ) -> None:
-        if progress_timeout_s is not None:  # bounds a TCP transfer whose peer stops responding
+        if progress_timeout_s is not None:  # bounds a TCP transfer that stops progressing
             os.environ.setdefault(
-                "MC_TCP_PROGRESS_TIMEOUT_SEC", str(max(1, int(progress_timeout_s)))
+                "MC_TCP_PROGRESS_TIMEOUT_SEC", str(max(1, round(progress_timeout_s)))
             )
         engine_cls = import_engine()
         self.engine = engine_cls()
@@ -129,7 +138,9 @@ class MooncakeTransferEngineConnector(PullTransferConnector):
             device_name=str(cfg.get("device_name", "")),
             metadata_server=str(cfg.get("metadata_server", "P2PHANDSHAKE")),
             rpc_port=None if rpc_port is None else int(rpc_port),
-            progress_timeout_s=self.transfer_timeout_s,
+            progress_timeout_s=min(
+                self.transfer_timeout_s, float(cfg.get("tcp_progress_timeout_s", 3.0))
+            ),
         )
 
     @property
