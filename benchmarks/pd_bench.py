@@ -44,6 +44,15 @@ PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False}
 
 
 # -- engine subprocess (JSON lines over stdin/stdout, no pickle) ------------------------
+def _top2_of(logprobs: Any) -> list[list[float]]:
+    """Per generated token: the two highest logprobs (to see how close a greedy choice was)."""
+    out = []
+    for step in logprobs or []:
+        best = sorted((lp.logprob for lp in step.values()), reverse=True)[:2]
+        out.append(best + [float("-inf")] * (2 - len(best)))
+    return out
+
+
 def _engine_main(cfg: dict[str, Any]) -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -75,6 +84,7 @@ def _engine_main(cfg: dict[str, Any]) -> None:
             SamplingParams(
                 temperature=0,
                 max_tokens=req["max_tokens"],
+                logprobs=2,
                 ignore_eos=True,
                 extra_args={"kv_transfer_params": dict(p)} if p else None,
             )
@@ -90,6 +100,7 @@ def _engine_main(cfg: dict[str, Any]) -> None:
                 "outputs": [
                     {
                         "token_ids": list(o.outputs[0].token_ids),
+                        "top2": _top2_of(o.outputs[0].logprobs),
                         "finish_reason": o.outputs[0].finish_reason,
                         "kv_transfer_params": o.kv_transfer_params,
                     }
@@ -190,6 +201,33 @@ def _tokens(r: dict[str, Any]) -> list[list[int]]:
     return [o["token_ids"] for o in r["outputs"]]
 
 
+def _top2(r: dict[str, Any]) -> list[list[list[float]]]:
+    return [o["top2"] for o in r["outputs"]]
+
+
+def _divergences(r: dict[str, Any], ref: dict[str, Any]) -> list[dict[str, Any]]:
+    """Where a run's greedy tokens leave the colocated ones, and how close that choice was.
+
+    ``*_margin`` is top-1 minus top-2 logprob at the first differing step: a margin near
+    zero is a near-tie that any rounding difference can flip.
+    """
+    out = []
+    for i, (got, want) in enumerate(zip(r["tokens"], ref["tokens"])):
+        if got == want:
+            continue
+        step = next(j for j, (a, b) in enumerate(zip(got, want)) if a != b)
+        ref_lp, lp = ref["top2"][i][step], r["top2"][i][step]
+        out.append(
+            {
+                "prompt": i,
+                "step": step,
+                "colocated_margin": round(ref_lp[0] - ref_lp[1], 5),
+                "margin": round(lp[0] - lp[1], 5),
+            }
+        )
+    return out
+
+
 def _matches(got: list[list[int]], ref: list[list[int]] | None) -> int | None:
     if ref is None:
         return None
@@ -228,6 +266,7 @@ def run_colocated(
         "ttft_samples": ttfts,
         "total_samples": totals,
         "tokens": _tokens(total),
+        "top2": _top2(total),
     }
 
 
@@ -311,6 +350,7 @@ def run_omnikv(
         "loads_ok": sum(int(bool(x.get("ok"))) for x in loads),
         "load_seconds_max": max(float(x.get("seconds", 0)) for x in loads),
         "tokens": _tokens(total),
+        "top2": _top2(total),
     }
 
 
@@ -370,6 +410,7 @@ def run_example(
         "total_samples": totals,
         "kv_bytes": nbytes,
         "tokens": _tokens(total),
+        "top2": _top2(total),
     }
 
 
@@ -470,7 +511,10 @@ def main(argv: list[str] | None = None) -> None:
         results["colocated"] = run_colocated(
             base, prompts, a.output_tokens, env, log_dir, a.repeats
         )
-        print("colocated", {k: v for k, v in results["colocated"].items() if k != "tokens"})
+        print(
+            "colocated",
+            {k: v for k, v in results["colocated"].items() if k not in ("tokens", "top2")},
+        )
     if "omnikv" not in skip:
         for backend in filter(None, a.backends.split(",")):
             if backend == "mooncake":
@@ -483,19 +527,21 @@ def main(argv: list[str] | None = None) -> None:
             results[key] = run_omnikv(
                 base, backend, prompts, a.output_tokens, env, log_dir, a.repeats
             )
-            print(key, {k: v for k, v in results[key].items() if k != "tokens"})
+            print(key, {k: v for k, v in results[key].items() if k not in ("tokens", "top2")})
     if "example" not in skip:
         results["example_connector"] = run_example(
             base, prompts, a.output_tokens, env, log_dir, a.repeats
         )
         print(
             "example_connector",
-            {k: v for k, v in results["example_connector"].items() if k != "tokens"},
+            {k: v for k, v in results["example_connector"].items() if k not in ("tokens", "top2")},
         )
 
     ref = results.get("colocated", {}).get("tokens")
     for r in results.values():
         r["matches_colocated"] = _matches(r["tokens"], ref)
+        if ref is not None and r is not results["colocated"]:
+            r["divergences"] = _divergences(r, results["colocated"])
         r["kv_GBps"] = round(r["kv_bytes"] / r["ttft_s"] / 1e9, 3) if r["kv_bytes"] else 0.0
     summary: dict[str, Any] = {}
     ex = results.get("example_connector")
@@ -522,7 +568,10 @@ def main(argv: list[str] | None = None) -> None:
             "prefix_caching": False,
             "host_cpus": os.cpu_count(),
         },
-        "results": {n: {k: v for k, v in r.items() if k != "tokens"} for n, r in results.items()},
+        "results": {
+            n: {k: v for k, v in r.items() if k not in ("tokens", "top2")}
+            for n, r in results.items()
+        },
         "summary": summary,
     }
     (a.out / "pd_bench.json").write_text(json.dumps(report, indent=2))
