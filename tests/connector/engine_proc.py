@@ -41,6 +41,11 @@ def _serve(cfg: dict[str, Any]) -> None:
         max_num_seqs=cfg.get("max_num_seqs", 32),
         max_num_batched_tokens=cfg.get("max_num_batched_tokens", 8192),
         kv_transfer_config=KVTransferConfig(**ktc) if ktc else None,
+        **(
+            {"tensor_parallel_size": tp, "distributed_executor_backend": "mp"}
+            if (tp := int(cfg.get("tensor_parallel_size", 1))) > 1
+            else {}
+        ),
     )
     _emit({"ready": True, "pid": os.getpid()})
     for line in sys.stdin:

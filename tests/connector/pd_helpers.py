@@ -72,7 +72,9 @@ def engines(*cfgs: tuple[str, dict[str, Any]]) -> Iterator[list[EngineProc]]:
         for name, cfg in cfgs:
             log = LOG_DIR / f"{name}.log"
             log.unlink(missing_ok=True)
-            procs.append(EngineProc(cfg, log=log))
+            cfg = dict(cfg)
+            env = cfg.pop("env", None)  # per-engine environment (e.g. CPU thread binding)
+            procs.append(EngineProc(cfg, env=env, log=log))
         for p in procs:
             p.wait_ready()
         yield procs

@@ -1,0 +1,66 @@
+"""Prefill/decode between engines of different tensor-parallel sizes (real vLLM, CPU, shm).
+
+The producer and consumer shard the KV heads differently, so the connector sends
+token-major K/V per target rank (the producer slices or the consumer merges head
+shards). Greedy tokens must equal a colocated TP=1 engine's, with every request's
+KV really loaded. CPU TP needs one core per rank: ``VLLM_CPU_OMP_THREADS_BIND``
+pins rank 0 to core 0 and rank 1 to core 1.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from pd_helpers import engine_cfg, engines, make_prompts, omni_ktc
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+PREFILL = {"do_remote_decode": True, "do_remote_prefill": False}
+TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "OMP_NUM_THREADS": "1"}
+
+if (os.cpu_count() or 1) < 2:
+    pytest.skip("tensor parallelism on CPU needs two cores", allow_module_level=True)
+
+
+def _cfg(model: Path, tp: int, ktc: dict | None = None) -> dict:
+    cfg = engine_cfg(model, ktc, tensor_parallel_size=tp)
+    if tp > 1:
+        cfg["env"] = TP2_ENV
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir: Path) -> tuple[list[list[int]], list[list[int]]]:
+    prompts = make_prompts(tiny_model_dir, 3, seed=7)
+    with engines(("tp-colocated", _cfg(tiny_model_dir, 1))) as (eng,):
+        r = eng.generate(prompts, max_tokens=12)
+    assert "error" not in r, r
+    return prompts, [o["token_ids"] for o in r["outputs"]]
+
+
+@pytest.mark.parametrize(("prod_tp", "cons_tp"), [(2, 1), (1, 2)])
+def test_heterogeneous_tp_matches_colocated(
+    tiny_model_dir: Path,
+    reference: tuple[list[list[int]], list[list[int]]],
+    prod_tp: int,
+    cons_tp: int,
+) -> None:
+    prompts, want = reference
+    prod_ktc = omni_ktc("kv_producer", backend="shm", target_tp_size=cons_tp)
+    cons_ktc = omni_ktc("kv_consumer", "fail", backend="shm", recv_timeout=60)
+    with engines(
+        (f"tp{prod_tp}-producer", _cfg(tiny_model_dir, prod_tp, prod_ktc)),
+        (f"tp{cons_tp}-consumer", _cfg(tiny_model_dir, cons_tp, cons_ktc)),
+    ) as (prod, cons):
+        pre = prod.generate(prompts, max_tokens=1, kv_transfer_params=[PREFILL] * len(prompts))
+        assert "error" not in pre, pre
+        params = [o["kv_transfer_params"] for o in pre["outputs"]]
+        assert all(p and p.get("tp_size") == prod_tp for p in params), params
+        got = cons.generate(prompts, max_tokens=12, kv_transfer_params=params)
+    assert "error" not in got, got
+    assert [o["token_ids"] for o in got["outputs"]] == want
+    loads = [o["kv_transfer_params"]["omni_kv_load"] for o in got["outputs"]]
+    assert all(x["ok"] for x in loads), loads
+    assert all(x["bytes"] > 0 for x in loads), loads
