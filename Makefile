@@ -20,10 +20,12 @@ $(STAMP):
 
 lint: env
 	$(VENV)/bin/ruff check vllm_omni_kv tests benchmarks examples
-	$(VENV)/bin/ruff format --check vllm_omni_kv
+	$(VENV)/bin/ruff format --check vllm_omni_kv tests benchmarks examples
 
 typecheck: env
 	$(VENV)/bin/mypy
+	$(VENV)/bin/mypy benchmarks
+	for d in examples/*/; do $(VENV)/bin/mypy "$$d" || exit 1; done
 
 pytest: env
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)

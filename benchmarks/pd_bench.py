@@ -28,172 +28,38 @@ import argparse
 import json
 import os
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
-import threading
-import time
-from collections import deque
 from pathlib import Path
 from typing import Any
 
+from vllm_omni_kv.testing.engine_proc import EngineProc as Engine
+
 REPO = Path(__file__).resolve().parents[1]
-MARK = "@@PDBENCH@@ "
 PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False}
 
 
-# -- engine subprocess (JSON lines over stdin/stdout, no pickle) ------------------------
-def _top2_of(logprobs: Any) -> list[list[float]]:
-    """Per generated token: the two highest logprobs (to see how close a greedy choice was)."""
-    out = []
-    for step in logprobs or []:
-        best = sorted((lp.logprob for lp in step.values()), reverse=True)[:2]
-        out.append(best + [float("-inf")] * (2 - len(best)))
-    return out
-
-
-def _engine_main(cfg: dict[str, Any]) -> None:
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
-
-    def emit(obj: dict[str, Any]) -> None:
-        sys.stdout.write(MARK + json.dumps(obj) + "\n")
-        sys.stdout.flush()
-
-    ktc = cfg.get("kv_transfer_config")
-    llm = LLM(
-        model=cfg["model"],
-        dtype=cfg["dtype"],
-        max_model_len=cfg["max_model_len"],
-        block_size=32,
-        enforce_eager=True,
-        seed=0,
-        enable_prefix_caching=False,
-        max_num_seqs=cfg["max_num_seqs"],
-        max_num_batched_tokens=cfg["max_num_batched_tokens"],
-        kv_transfer_config=KVTransferConfig(**ktc) if ktc else None,
-    )
-    emit({"ready": True})
-    for line in sys.stdin:
-        req = json.loads(line)
-        if req.get("cmd") == "exit":
-            break
-        params = req.get("kv_transfer_params") or [None] * len(req["prompts"])
-        sps = [
-            SamplingParams(
-                temperature=0,
-                max_tokens=req["max_tokens"],
-                logprobs=2,
-                ignore_eos=True,
-                extra_args={"kv_transfer_params": dict(p)} if p else None,
-            )
-            for p in params
-        ]
-        prompts: Any = [{"prompt_token_ids": ids} for ids in req["prompts"]]
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, sps, use_tqdm=False)
-        dt = time.perf_counter() - t0
-        emit(
-            {
-                "seconds": dt,
-                "outputs": [
-                    {
-                        "token_ids": list(o.outputs[0].token_ids),
-                        "top2": _top2_of(o.outputs[0].logprobs),
-                        "finish_reason": o.outputs[0].finish_reason,
-                        "kv_transfer_params": o.kv_transfer_params,
-                    }
-                    for o in outs
-                ],
-            }
-        )
-
-
-class Engine:
-    def __init__(self, name: str, cfg: dict[str, Any], env: dict[str, str], log_dir: Path):
-        self.name = name
-        self.log = open(log_dir / f"{name}.log", "w")  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--engine-worker", json.dumps(cfg)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-            start_new_session=True,
-        )
-        self.replies: deque[dict[str, Any]] = deque()
-        self.tail: deque[str] = deque(maxlen=50)
-        self.cv = threading.Condition()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith(MARK):
-                with self.cv:
-                    self.replies.append(json.loads(line[len(MARK) :]))
-                    self.cv.notify_all()
-            else:
-                self.tail.append(line)
-                self.log.write(line)
-        with self.cv:
-            self.cv.notify_all()
-
-    def reply(self, timeout: float = 900.0) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        with self.cv:
-            while not self.replies:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"{self.name} exited:\n{''.join(self.tail)}")
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{self.name}: no reply in {timeout:.0f}s")
-                self.cv.wait(0.5)
-            return self.replies.popleft()
-
-    def generate(
-        self, prompts: list[list[int]], max_tokens: int, params: list[Any] | None = None
-    ) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        msg = {"cmd": "generate", "prompts": prompts, "max_tokens": max_tokens}
-        if params is not None:
-            msg["kv_transfer_params"] = params
-        self.proc.stdin.write(json.dumps(msg) + "\n")
-        self.proc.stdin.flush()
-        return self.reply()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                assert self.proc.stdin is not None
-                self.proc.stdin.write(json.dumps({"cmd": "exit"}) + "\n")
-                self.proc.stdin.close()
-                self.proc.wait(timeout=60)
-            except (OSError, subprocess.TimeoutExpired):
-                pass
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(timeout=30)
-        self.log.close()
-
-
+# -- engines: one subprocess each (vllm_omni_kv.testing.engine_proc, JSON lines, no pickle) --
 def _start(
     specs: list[tuple[str, dict[str, Any]]], env: dict[str, str], log_dir: Path
 ) -> list[Engine]:
-    engines = [Engine(n, c, env, log_dir) for n, c in specs]
+    engines = [Engine(c, env=env, log=log_dir / f"{n}.log") for n, c in specs]
     try:
         for e in engines:
-            if not e.reply(600).get("ready"):
-                raise RuntimeError(f"{e.name} did not start")
+            e.wait_ready(600)
     except BaseException:
         for e in engines:
             e.stop()
         raise
     return engines
+
+
+def _generate(
+    eng: Engine, prompts: list[list[int]], max_tokens: int, params: list[Any] | None = None
+) -> dict[str, Any]:
+    r = eng.generate(prompts, max_tokens, params, timeout=900.0, logprobs=2)
+    if "error" in r:
+        raise RuntimeError(f"generate failed: {r['error']}\n{eng.tail()}")
+    return r
 
 
 # -- measurements -----------------------------------------------------------------------
@@ -240,6 +106,26 @@ def _median(xs: list[float]) -> float:
     return ys[mid] if len(ys) % 2 else (ys[mid - 1] + ys[mid]) / 2
 
 
+def _summary(
+    ttfts: list[float],
+    totals: list[float],
+    prefills: list[float],
+    last: dict[str, Any],
+    **extra: Any,
+) -> dict[str, Any]:
+    """Medians and samples of one configuration; tokens/logprobs of its last full run."""
+    return {
+        "ttft_s": _median(ttfts),
+        "total_s": _median(totals),
+        "prefill_s": _median(prefills),
+        "ttft_samples": ttfts,
+        "total_samples": totals,
+        **extra,
+        "tokens": _tokens(last),
+        "top2": _top2(last),
+    }
+
+
 def run_colocated(
     base: dict[str, Any],
     prompts: list[list[int]],
@@ -250,32 +136,23 @@ def run_colocated(
 ) -> dict[str, Any]:
     (eng,) = _start([("colocated", base)], env, log_dir)
     try:
-        eng.generate(prompts, 2)  # warm-up: the whole workload once (KV cache pages touched)
+        _generate(eng, prompts, 2)  # warm-up: the whole workload once (KV cache pages touched)
         ttfts, totals = [], []
         for _ in range(repeats):
-            ttfts.append(eng.generate(prompts, 1)["seconds"])
-            total = eng.generate(prompts, out_tokens)
+            ttfts.append(_generate(eng, prompts, 1)["seconds"])
+            total = _generate(eng, prompts, out_tokens)
             totals.append(total["seconds"])
     finally:
         eng.stop()
-    return {
-        "ttft_s": _median(ttfts),
-        "total_s": _median(totals),
-        "prefill_s": _median(ttfts),
-        "kv_bytes": 0,
-        "ttft_samples": ttfts,
-        "total_samples": totals,
-        "tokens": _tokens(total),
-        "top2": _top2(total),
-    }
+    return _summary(ttfts, totals, ttfts, total, kv_bytes=0)
 
 
 def _pd_round(
     prod: Engine, cons: Engine, prompts: list[list[int]], max_tokens: int, with_params: bool
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    pre = prod.generate(prompts, 1, [PREFILL_PARAMS] * len(prompts) if with_params else None)
+    pre = _generate(prod, prompts, 1, [PREFILL_PARAMS] * len(prompts) if with_params else None)
     params = [o["kv_transfer_params"] for o in pre["outputs"]] if with_params else None
-    dec = cons.generate(prompts, max_tokens, params)
+    dec = _generate(cons, prompts, max_tokens, params)
     return pre, dec
 
 
@@ -290,6 +167,8 @@ def run_omnikv(
 ) -> dict[str, Any]:
     from vllm_omni_kv.testing.net import free_port
 
+    pextra: dict[str, Any]
+    cextra: dict[str, Any]
     if backend == "mooncake":
         common = {"protocol": "tcp", "host": "127.0.0.1", "memory_pool_size": 2 << 30}
         pextra = {
@@ -339,19 +218,15 @@ def run_omnikv(
     finally:
         prod.stop()
         cons.stop()
-    nbytes = sum(int(x.get("bytes", 0)) for x in loads)
-    return {
-        "ttft_s": _median(ttfts),
-        "total_s": _median(totals),
-        "prefill_s": _median(prefills),
-        "ttft_samples": ttfts,
-        "total_samples": totals,
-        "kv_bytes": nbytes,
-        "loads_ok": sum(int(bool(x.get("ok"))) for x in loads),
-        "load_seconds_max": max(float(x.get("seconds", 0)) for x in loads),
-        "tokens": _tokens(total),
-        "top2": _top2(total),
-    }
+    return _summary(
+        ttfts,
+        totals,
+        prefills,
+        total,
+        kv_bytes=sum(int(x.get("bytes", 0)) for x in loads),
+        loads_ok=sum(int(bool(x.get("ok"))) for x in loads),
+        load_seconds_max=max(float(x.get("seconds", 0)) for x in loads),
+    )
 
 
 def run_example(
@@ -390,10 +265,10 @@ def run_example(
             for _ in range(repeats):
                 shutil.rmtree(store, ignore_errors=True)
                 store.mkdir()
-                pre = prod.generate(prompts, 1)
+                pre = _generate(prod, prompts, 1)
                 nbytes = sum(f.stat().st_size for f in store.rglob("*") if f.is_file())
-                first = cons.generate(prompts, 1)
-                total = cons.generate(prompts, out_tokens)  # the files are still there
+                first = _generate(cons, prompts, 1)
+                total = _generate(cons, prompts, out_tokens)  # the files are still there
                 ttfts.append(first["seconds"])
                 totals.append(total["seconds"])
                 prefills.append(pre["seconds"])
@@ -402,16 +277,7 @@ def run_example(
             cons.stop()
     finally:
         shutil.rmtree(store, ignore_errors=True)
-    return {
-        "ttft_s": _median(ttfts),
-        "total_s": _median(totals),
-        "prefill_s": _median(prefills),
-        "ttft_samples": ttfts,
-        "total_samples": totals,
-        "kv_bytes": nbytes,
-        "tokens": _tokens(total),
-        "top2": _top2(total),
-    }
+    return _summary(ttfts, totals, prefills, total, kv_bytes=nbytes)
 
 
 def _plot(results: dict[str, dict[str, Any]], path: Path, title: str) -> None:
@@ -445,7 +311,6 @@ def _plot(results: dict[str, dict[str, Any]], path: Path, title: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--engine-worker", help=argparse.SUPPRESS)
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--prompt-tokens", type=int, default=1000)
     ap.add_argument("--output-tokens", type=int, default=16)
@@ -459,9 +324,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--skip", default="", help="comma list of: colocated,omnikv,example")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     a = ap.parse_args(argv)
-    if a.engine_worker:
-        _engine_main(json.loads(a.engine_worker))
-        return
 
     from transformers import AutoTokenizer
 
@@ -499,6 +361,7 @@ def main(argv: list[str] | None = None) -> None:
         "max_num_seqs": a.prompts,
         # one step holds the whole batch: ExampleConnector cannot save chunked prefills
         "max_num_batched_tokens": max(8192, n_tokens + a.prompts * 64),
+        "enable_prefix_caching": False,
     }
     a.out.mkdir(parents=True, exist_ok=True)
     log_dir = Path(tempfile.mkdtemp(prefix="pd_bench_logs_"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata as md
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +29,36 @@ def test_import_has_no_side_effects():
         "print(sorted(k for k in ('torch', 'vllm', 'zmq', 'msgpack') if k in sys.modules), m.__version__)"
     )
     assert out.startswith("[] ")
+
+
+@pytest.mark.parametrize("configure", ["1", "0"])
+def test_logs_follow_vllm_logging_inside_vllm(configure: str) -> None:
+    """Inside vLLM our lines use vLLM's handler and level (configured after we log in)."""
+    code = (
+        "import os, sys\n"
+        f"os.environ['VLLM_CONFIGURE_LOGGING'] = '{configure}'\n"
+        "os.environ['VLLM_LOGGING_STREAM'] = 'ext://sys.stdout'\n"
+        "os.environ['VLLM_LOGGING_LEVEL'] = 'INFO'\n"
+        "import vllm\n"
+        "from vllm_omni_kv.logger import init_logger\n"
+        "log = init_logger('vllm_omni_kv.connector.demo')\n"
+        "if os.environ['VLLM_CONFIGURE_LOGGING'] == '1':\n"
+        "    from vllm.config.logging import LoggingConfig\n"
+        "    from vllm.logger import configure_logging\n"
+        "    configure_logging(LoggingConfig())\n"
+        "log.info('info-line %d', 1)\n"
+        "log.debug('debug-line')\n"
+        "log.warning('warning-line')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    both = out.stdout + out.stderr
+    assert "debug-line" not in both
+    if configure == "1":  # vLLM's format on its stream, at its default level (INFO)
+        assert re.search(r"INFO \d\d-\d\d [\d:]+ \[.*\] info-line 1", out.stdout), both
+        assert "WARNING" in out.stdout and "warning-line" in out.stdout
+    else:  # vLLM leaves logging alone: so do we (stdlib defaults, warnings to stderr)
+        assert "info-line" not in both and "warning-line" in out.stderr
 
 
 def test_public_names_resolve_lazily():

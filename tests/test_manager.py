@@ -220,9 +220,7 @@ def test_update_sender_info_offsets_port_per_rank(ns):
 
 def _producer(ns, rank, from_tp, to_tp, req_ids, heads_total, ready, done, part_bytes):
     mgr = OmniKVTransferManager.from_od_config(
-        _omni_cfg(
-            ns, send=True, from_tp=from_tp, to_tp=to_tp, rank=rank, max_part_bytes=part_bytes
-        )
+        _omni_cfg(ns, send=True, from_tp=from_tp, to_tp=to_tp, rank=rank, max_part_bytes=part_bytes)
     )
     caches = [
         head_shard(cpu_layout_cache(i, heads=heads_total), rank, from_tp) for i in range(LAYERS)

@@ -1,7 +1,12 @@
 """Logging through vLLM's ``init_logger`` inside vLLM processes.
 
-vLLM-free stages (a diffusion worker, a benchmark) get a stdlib logger, so
-that importing the transfer core never drags in vLLM.
+vLLM configures (and re-configures, per process) only its own ``vllm`` logger.
+Inside a vLLM process our ``vllm_omni_kv`` logger is therefore made a child of
+``vllm``: our lines go through vLLM's handlers with its prefix (level, time,
+file), follow ``VLLM_LOGGING_LEVEL``, ``VLLM_LOGGING_CONFIG_PATH`` and
+``VLLM_CONFIGURE_LOGGING``, whenever vLLM sets them up. vLLM-free stages (a
+diffusion worker, a benchmark) get plain stdlib loggers, so importing the
+transfer core never drags in vLLM.
 """
 
 from __future__ import annotations
@@ -9,14 +14,25 @@ from __future__ import annotations
 import logging
 import sys
 
+ROOT = "vllm_omni_kv"
+
+
+def _attach_to_vllm() -> None:
+    ours, theirs = logging.getLogger(ROOT), logging.getLogger("vllm")
+    if ours.parent is not theirs:
+        ours.parent = theirs  # records propagate to vLLM's handlers; levels inherit from it
+
 
 def init_logger(name: str) -> logging.Logger:
-    """Return vLLM's configured logger when vLLM is loaded, else a stdlib one."""
+    """Return vLLM's logger (with its helpers) when vLLM is loaded, else a stdlib one."""
     if "vllm" in sys.modules:
         try:
             from vllm.logger import init_logger as _vllm_init_logger
 
-            return _vllm_init_logger(name)
+            logger = _vllm_init_logger(name)
+            if name == ROOT or name.startswith(ROOT + "."):
+                _attach_to_vllm()
+            return logger
         except Exception:  # pragma: no cover - partially initialised vLLM
             pass
     return logging.getLogger(name)

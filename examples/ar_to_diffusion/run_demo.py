@@ -29,7 +29,12 @@ def _spinner(proc: subprocess.Popen[str], label: str, timeout: float) -> str:
     lines: queue.Queue[str] = queue.Queue()
     assert proc.stdout is not None
     stdout = proc.stdout
-    threading.Thread(target=lambda: [lines.put(x) for x in stdout], daemon=True).start()
+
+    def pump() -> None:
+        for x in stdout:
+            lines.put(x)
+
+    threading.Thread(target=pump, daemon=True).start()
     start, frames = time.monotonic(), "|/-\\"
     tty, next_note = sys.stdout.isatty(), 10.0
     while True:

@@ -11,6 +11,7 @@ assertions hold for every backend.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import multiprocessing as mp
 import os
 import threading
@@ -147,6 +148,9 @@ def sender_main(conn: Connection, config: dict[str, Any]) -> None:
                 _send(conn, {"ok": True})
             elif op == "health":
                 _send(conn, {"health": c.health()})
+            elif op == "hold_gil":  # a stuck process: no Python thread (side channel) runs
+                _send(conn, {"ok": True})
+                ctypes.PyDLL(None).usleep(int(msg["seconds"] * 1e6))  # PyDLL keeps the GIL
             elif op == "exit":
                 break
         except Exception as e:

@@ -352,6 +352,55 @@ def test_pull_after_a_stall_succeeds_on_a_fresh_connection() -> None:
 
 
 @pytest.mark.mooncake
+@pytest.mark.slow
+def test_acquire_that_timed_out_does_not_block_the_retry() -> None:
+    """A sender stuck past the side-channel timeout still grants the acquire later; that
+    orphan lease must not make the key look exhausted (max_pulls=1) to the retry."""
+    proc = SenderProcess(te_config("sender", pool_mib=16))
+    # a long lease: without holder-scoped leases the retry would wait ~35 s for it to lapse
+    r = _conn("receiver", side_channel_timeout_s=1.0, transfer_timeout_s=30.0)
+    data = torch.arange(1 << 16, dtype=torch.int32)
+    try:
+        meta = proc.call(op="put", key="slow", data=data)["meta"]
+        endpoint = {k: meta[k] for k in ("source_host", "source_port")}
+        proc.call(op="hold_gil", seconds=2.0)
+        t0 = time.monotonic()
+        assert r.get("0", "1", "slow", endpoint) is None  # no reply within 1 s...
+        assert r.health()["timeouts"] == 1
+        assert wait_until(lambda: proc.call(op="health")["health"]["active_leases"] == 1, 10)
+        assert time.monotonic() - t0 < 5.0  # ...but granted once the sender ran again
+        got = r.get("0", "1", "slow", endpoint)
+        assert got is not None, r.health()
+        buf, size = got
+        assert torch.equal(buf.tensor[:size].view(torch.int32), data)
+        buf.release()
+        # that was the one allowed pull: the block is freed, no lease is left behind
+        health = proc.call(op="health")["health"]
+        assert health["exposed_blocks"] == 0 and health["active_leases"] == 0, health
+    finally:
+        r.close()
+        proc.stop()
+
+
+def test_exposure_table_holder_replaces_its_own_lease() -> None:
+    from vllm_omni_kv.backends.exposure import ExposureTable
+
+    pool = MemoryPool(1 << 20)
+    t = ExposureTable(ttl_s=60, max_pulls=1)
+    t.add("k", pool.alloc(64), 64, fast=True)
+    first = t.acquire("k", 30, holder="a")
+    assert first["ok"]
+    assert t.acquire("k", 30, holder="b") == {"ok": False, "reason": "exhausted"}
+    second = t.acquire("k", 30, holder="a")  # "a" gave up on its first attempt
+    assert second["ok"] and second["lease"] != first["lease"]
+    assert t.release(first["token"], first["lease"], success=True)["ok"] is False
+    assert t.counts()["active_leases"] == 1
+    assert t.release(second["token"], second["lease"], success=True) == {"ok": True}
+    assert t.counts()["exposed_blocks"] == 0  # the one allowed pull is done: freed
+    assert pool.allocator.used == 0
+
+
+@pytest.mark.mooncake
 def test_tcp_progress_timeout_sets_mooncake_env() -> None:
     """``tcp_progress_timeout_s`` reaches Mooncake unless the user set the variable."""
     code = (

@@ -9,8 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from engine_proc import EngineProc
-
+from vllm_omni_kv.testing.engine_proc import EngineProc
 from vllm_omni_kv.testing.tiny_model import prompt_text
 
 __all__ = [

@@ -40,7 +40,14 @@ class Exposure:
     remaining: int  # successful pulls left (ignored when unlimited)
     unlimited: bool
     leases: dict[str, float] = field(default_factory=dict)  # lease id -> deadline
+    holders: dict[str, str] = field(default_factory=dict)  # receiver id -> its lease id
     retired: bool = False
+
+
+def _forget_holder(e: Exposure, lease: str | None) -> None:
+    for holder, held in list(e.holders.items()):
+        if held == lease:
+            del e.holders[holder]
 
 
 class ExposureTable:
@@ -99,15 +106,25 @@ class ExposureTable:
             e.buf.release()
 
     # -- side-channel operations -----------------------------------------------------
-    def acquire(self, key: str, lease_s: float) -> dict[str, Any]:
+    def acquire(self, key: str, lease_s: float, holder: str | None = None) -> dict[str, Any]:
+        """Lease ``key`` for one pull. A receiver that names itself (``holder``) holds at
+        most one lease per key: a new acquire replaces the lease of an attempt it gave up
+        on (e.g. its acquire timed out after we had granted it), so that orphan does not
+        count against ``max_pulls`` until it expires."""
         with self._lock:
             e = self._by_token.get(self._by_key.get(key, ""))
             if e is None:
                 return {"ok": False, "reason": "not_found"}
+            if holder is not None:
+                stale = e.holders.pop(holder, None)
+                if stale is not None:
+                    e.leases.pop(stale, None)
             if not e.unlimited and e.remaining - len(e.leases) <= 0:
                 return {"ok": False, "reason": "exhausted"}
             lease = uuid.uuid4().hex
             e.leases[lease] = time.monotonic() + lease_s + self.lease_slack_s
+            if holder is not None:
+                e.holders[holder] = lease
             return {
                 "ok": True,
                 "token": e.token,
@@ -125,6 +142,7 @@ class ExposureTable:
             e = self._by_token.get(token)
             if e is None or (lease is not None and e.leases.pop(lease, None) is None):
                 return {"ok": False, "reason": "expired"}
+            _forget_holder(e, lease)
             if success and not e.unlimited:
                 e.remaining -= 1
             done = not e.unlimited and e.remaining <= 0
@@ -143,6 +161,7 @@ class ExposureTable:
                             "a pull lease on %r expired: its receiver never finished", e.key
                         )
                         del e.leases[lease]
+                        _forget_holder(e, lease)
                 if e.leases:
                     continue
                 if e.retired:

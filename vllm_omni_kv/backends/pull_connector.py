@@ -9,7 +9,10 @@ Data path (sender -> receiver):
 2. The receiver learns address, size and kind over the ZMQ side channel
    (``acquire`` grants a short lease so the TTL sweeper cannot free the block
    mid-transfer), allocates from its own pool and pulls with the engine's
-   synchronous read, bounded by ``transfer_timeout_s``.
+   synchronous read, bounded by ``transfer_timeout_s``. Leases are held per
+   receiver thread: when a busy sender answers an acquire after the receiver
+   gave up waiting, the receiver's retry replaces that orphan lease instead of
+   finding the key "exhausted" until the lease lapses.
 3. ``release`` tells the sender the pull finished; its reply confirms the
    block was still live for the whole pull (otherwise the data is discarded).
    The block is freed after ``max_pulls`` pulls (``0``: kept until
@@ -237,8 +240,11 @@ class PullTransferConnector(OmniConnectorBase):
     def _handle(self, msg: dict[str, Any]) -> dict[str, Any]:
         op = msg.get("op")
         if op == "acquire":
+            holder = msg.get("holder")
             reply = self._exposed.acquire(
-                str(msg.get("key", "")), float(msg.get("lease_s", self.transfer_timeout_s))
+                str(msg.get("key", "")),
+                float(msg.get("lease_s", self.transfer_timeout_s)),
+                None if holder is None else str(holder),
             )
             if reply["ok"]:
                 reply["session"] = self.engine.session
@@ -370,10 +376,16 @@ class PullTransferConnector(OmniConnectorBase):
         assert self._client is not None
         deadline = time.monotonic() + self.get_timeout_s
         delay = 0.005
+        # one thread's gets are sequential: naming (engine, thread) as the holder lets the
+        # sender replace a lease this thread abandoned when an earlier acquire timed out
+        msg = {
+            "op": "acquire",
+            "key": key,
+            "lease_s": self.transfer_timeout_s,
+            "holder": f"{self.engine_id}:{threading.get_ident()}",
+        }
         while True:
-            reply = self._client.request(
-                endpoint, {"op": "acquire", "key": key, "lease_s": self.transfer_timeout_s}
-            )
+            reply = self._client.request(endpoint, msg)
             if reply.get("ok"):
                 return reply
             if reply.get("reason") == "error":

@@ -1,9 +1,13 @@
 """One vLLM ``LLM`` engine in its own process, driven by JSON lines (no pickle).
 
-Started as ``python engine_proc.py '<json config>'``; answers on stdout with
-lines prefixed by :data:`MARK` (vLLM's own logging goes to stderr/stdout too).
-Commands: ``{"cmd": "generate", "prompts": [[token ids]...], "max_tokens": n,
-"kv_transfer_params": [dict|None...]}`` and ``{"cmd": "exit"}``.
+Used by the end-to-end tests and ``benchmarks/pd_bench.py``. Started as
+``python -m vllm_omni_kv.testing.engine_proc '<json config>'``; answers on
+stdout with lines prefixed by :data:`MARK` (vLLM's own logging goes there too).
+The config holds ``model`` and optional ``LLM`` settings (:data:`LLM_KEYS`)
+plus ``kv_transfer_config``. Commands: ``{"cmd": "generate", "prompts":
+[[token ids]...], "max_tokens": n, "kv_transfer_params": [dict|None...],
+"logprobs": k}`` and ``{"cmd": "exit"}``; with ``logprobs`` each output carries
+``top2``, the two highest logprobs per generated token.
 """
 
 from __future__ import annotations
@@ -26,26 +30,42 @@ def _emit(obj: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
+#: ``LLM`` settings a config may carry, with their defaults
+LLM_KEYS: dict[str, Any] = {
+    "dtype": "float32",
+    "max_model_len": 2048,
+    "block_size": 32,
+    "max_num_seqs": 32,
+    "max_num_batched_tokens": 8192,
+    "enable_prefix_caching": None,  # vLLM's default
+    "tensor_parallel_size": 1,
+}
+
+
+def top2_logprobs(logprobs: Any) -> list[list[float]]:
+    """Per generated token: the two highest logprobs (how close each greedy choice was)."""
+    out = []
+    for step in logprobs or []:
+        best = sorted((lp.logprob for lp in step.values()), reverse=True)[:2]
+        out.append(best + [float("-inf")] * (2 - len(best)))
+    return out
+
+
 def _serve(cfg: dict[str, Any]) -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
     ktc = cfg.get("kv_transfer_config")
+    settings = {k: cfg.get(k, v) for k, v in LLM_KEYS.items()}
+    settings = {k: v for k, v in settings.items() if v is not None}
+    if settings["tensor_parallel_size"] > 1:
+        settings["distributed_executor_backend"] = "mp"
     llm = LLM(
         model=cfg["model"],
-        dtype=cfg.get("dtype", "float32"),
-        max_model_len=cfg.get("max_model_len", 2048),
-        block_size=cfg.get("block_size", 32),
         enforce_eager=True,
         seed=0,
-        max_num_seqs=cfg.get("max_num_seqs", 32),
-        max_num_batched_tokens=cfg.get("max_num_batched_tokens", 8192),
         kv_transfer_config=KVTransferConfig(**ktc) if ktc else None,
-        **(
-            {"tensor_parallel_size": tp, "distributed_executor_backend": "mp"}
-            if (tp := int(cfg.get("tensor_parallel_size", 1))) > 1
-            else {}
-        ),
+        **settings,
     )
     _emit({"ready": True, "pid": os.getpid()})
     for line in sys.stdin:
@@ -58,6 +78,7 @@ def _serve(cfg: dict[str, Any]) -> None:
                 temperature=0,
                 max_tokens=req.get("max_tokens", 16),
                 ignore_eos=True,
+                logprobs=req.get("logprobs"),
                 extra_args={"kv_transfer_params": dict(p)} if p else None,
             )
             for p in params
@@ -80,6 +101,11 @@ def _serve(cfg: dict[str, Any]) -> None:
                         "finish_reason": o.outputs[0].finish_reason,
                         "kv_transfer_params": o.kv_transfer_params,
                         "num_cached_tokens": o.num_cached_tokens,
+                        **(
+                            {"top2": top2_logprobs(o.outputs[0].logprobs)}
+                            if req.get("logprobs")
+                            else {}
+                        ),
                     }
                     for o in outs
                 ],
@@ -101,7 +127,7 @@ class EngineProc:
         self.log_path = log
         self._log_file = open(log, "a") if log else None  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, json.dumps(cfg)],
+            [sys.executable, "-m", "vllm_omni_kv.testing.engine_proc", json.dumps(cfg)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -156,11 +182,14 @@ class EngineProc:
         max_tokens: int = 16,
         kv_transfer_params: list[dict[str, Any] | None] | None = None,
         timeout: float = 180.0,
+        logprobs: int | None = None,
     ) -> dict[str, Any]:
         assert self.proc.stdin is not None
-        msg = {"cmd": "generate", "prompts": prompts, "max_tokens": max_tokens}
+        msg: dict[str, Any] = {"cmd": "generate", "prompts": prompts, "max_tokens": max_tokens}
         if kv_transfer_params is not None:
             msg["kv_transfer_params"] = kv_transfer_params
+        if logprobs is not None:
+            msg["logprobs"] = logprobs
         self.proc.stdin.write(json.dumps(msg) + "\n")
         self.proc.stdin.flush()
         return self._wait_reply(timeout)
