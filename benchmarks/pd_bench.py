@@ -164,6 +164,7 @@ def run_omnikv(
     env: dict[str, str],
     log_dir: Path,
     repeats: int,
+    transfer_cpus: str = "auto",
 ) -> dict[str, Any]:
     from vllm_omni_kv.testing.net import free_port
 
@@ -175,14 +176,11 @@ def run_omnikv(
             "backend": "mooncake",
             "backend_extra": {**common, "role": "sender", "zmq_port": free_port()},
         }
-        # one pull at a time: concurrent TCP pulls of 32 MiB stalled on this 2-core host
-        cextra = {
-            "backend": "mooncake",
-            "load_threads": 1,
-            "backend_extra": {**common, "role": "receiver"},
-        }
+        cextra = {"backend": "mooncake", "backend_extra": {**common, "role": "receiver"}}
     else:
         pextra = cextra = {"backend": backend}
+    pextra = {**pextra, "transfer_cpus": transfer_cpus}
+    cextra = {**cextra, "transfer_cpus": transfer_cpus}
     prod_cfg = dict(
         base,
         kv_transfer_config={
@@ -321,6 +319,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--repeats", type=int, default=3, help="measured runs (median reported)")
     ap.add_argument("--backends", default="shm,mooncake", help="OmniKV backends to run")
+    ap.add_argument(
+        "--transfer-cpus", default="auto", help="OmniKV transfer_cpus (auto, inherit, a list)"
+    )
     ap.add_argument("--skip", default="", help="comma list of: colocated,omnikv,example")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     a = ap.parse_args(argv)
@@ -388,7 +389,7 @@ def main(argv: list[str] | None = None) -> None:
                     continue
             key = f"omnikv_{backend}"
             results[key] = run_omnikv(
-                base, backend, prompts, a.output_tokens, env, log_dir, a.repeats
+                base, backend, prompts, a.output_tokens, env, log_dir, a.repeats, a.transfer_cpus
             )
             print(key, {k: v for k, v in results[key].items() if k not in ("tokens", "top2")})
     if "example" not in skip:

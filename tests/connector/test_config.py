@@ -16,6 +16,7 @@ def test_defaults_are_shared_memory() -> None:
     assert cfg.backend_name == "SharedMemoryConnector"
     assert (cfg.from_stage, cfg.to_stage) == ("prefill", "decode")
     assert cfg.recv_timeout == 30.0 and cfg.transfer_format == "auto"
+    assert cfg.transfer_cpus == "auto"
 
 
 def test_backend_mapping_and_settings() -> None:
@@ -53,6 +54,8 @@ def test_backend_mapping_and_settings() -> None:
         ({"poll_interval": 0.5, "max_poll_interval": 0.1}, "max_poll_interval (0.1) must be >="),
         ({"remote_port": 70000}, "remote_port must be in [0, 65535]"),
         ({"transfer_format": "zip"}, "transfer_format must be one of"),
+        ({"transfer_cpus": "3-1"}, "transfer_cpus must be 'auto', 'inherit' or a CPU list"),
+        ({"transfer_cpus": [0, 1]}, "transfer_cpus must be 'auto', 'inherit' or a CPU list"),
         ({"omni_transfer_config": 5}, "omni_transfer_config: expected a file path or a mapping"),
     ],
 )

@@ -23,11 +23,12 @@ RDMA/TCP already protect the bytes in flight), ``tcp_progress_timeout_s``
 this long, and the pull is retried on a fresh one; it sets
 ``MC_TCP_PROGRESS_TIMEOUT_SEC`` unless that is already in the environment).
 
-Mooncake 0.3.13's TCP transport sometimes stops moving a transfer on an
-established connection (upstream kvcache-ai/Mooncake#4209, fix pending in #4234);
-inside vLLM engines on a busy host this happened to one pull in a few. The
-short progress timeout turns each such stall into a ~3 s retry instead of a
-30 s one.
+Inside vLLM's CPU workers, pulls used to stall for seconds: the worker pins its
+busy-waiting main thread to one core and the transfer engine's I/O threads
+inherited that pin. The connector now starts backend threads on the process's
+other CPUs (``transfer_cpus``, see :mod:`vllm_omni_kv.connector.affinity`); the
+progress timeout stays as a safety net for stalls of the TCP transport itself
+(e.g. upstream kvcache-ai/Mooncake#4209), turning one into a ~3 s retry.
 
 Packages: ``pip install mooncake-transfer-engine`` (CUDA builds) or
 ``pip install mooncake-transfer-engine-non-cuda`` (CPU-only hosts).

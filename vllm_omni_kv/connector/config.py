@@ -26,6 +26,11 @@ first request. Accepted fields::
     transfer_format      "auto" (default: each layer's blocks as the cache holds them when
                          producer and consumer TP sizes match, else token-major K/V),
                          "raw_blocks" or "token_major"
+    transfer_cpus        CPUs of the connector's background threads (side channel,
+                         transfer-engine I/O, loads): "auto" (default: the CPUs the
+                         worker process had before vLLM pinned its main thread),
+                         "inherit" (stay on the main thread's pinned core) or a CPU
+                         list like "0-3,8"
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_omni_kv.backends.factory import OmniConnectorFactory
+from vllm_omni_kv.connector.affinity import parse_cpu_list
 from vllm_omni_kv.errors import ConfigError
 from vllm_omni_kv.transfer.config import ConnectorSpec, load_omni_transfer_config
 
@@ -56,6 +62,7 @@ KNOWN_FIELDS: frozenset[str] = frozenset(
         "remote_host",
         "remote_port",
         "transfer_format",
+        "transfer_cpus",
     }
 )
 TRANSFER_FORMATS = ("auto", "raw_blocks", "token_major")
@@ -80,6 +87,7 @@ class OmniKVConfig:
     remote_host: str = "127.0.0.1"
     remote_port: int = 0
     transfer_format: str = "auto"
+    transfer_cpus: str = "auto"
 
     @property
     def backend_name(self) -> str:
@@ -194,6 +202,20 @@ def parse_omni_kv_config(raw: Mapping[str, Any] | None) -> OmniKVConfig:
         raise ConfigError(f"{_WHERE}.remote_port must be a port number, got {port_raw!r}") from None
     if not 0 <= port <= 65535:
         raise ConfigError(f"{_WHERE}.remote_port must be in [0, 65535], got {port}")
+    cpus = raw.get("transfer_cpus", "auto")
+    if not isinstance(cpus, str):
+        raise ConfigError(
+            f"{_WHERE}.transfer_cpus must be 'auto', 'inherit' or a CPU list like '0-3,8', "
+            f"got {cpus!r}"
+        )
+    if cpus not in ("auto", "inherit"):
+        try:
+            parse_cpu_list(cpus)
+        except ValueError as e:
+            raise ConfigError(
+                f"{_WHERE}.transfer_cpus must be 'auto', 'inherit' or a CPU list like '0-3,8', "
+                f"got {cpus!r} ({e})"
+            ) from None
     fmt = raw.get("transfer_format", "auto")
     if fmt not in TRANSFER_FORMATS:
         raise ConfigError(
@@ -202,6 +224,7 @@ def parse_omni_kv_config(raw: Mapping[str, Any] | None) -> OmniKVConfig:
     return OmniKVConfig(
         backend=spec,
         transfer_format=str(fmt),
+        transfer_cpus=cpus,
         from_stage=from_stage,
         to_stage=to_stage,
         recv_timeout=_positive_float(raw, "recv_timeout", 30.0),

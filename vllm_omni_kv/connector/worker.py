@@ -30,6 +30,11 @@ import torch
 
 from vllm_omni_kv.backends.base import OmniConnectorBase
 from vllm_omni_kv.backends.factory import OmniConnectorFactory
+from vllm_omni_kv.connector.affinity import (
+    background_cpus,
+    describe,
+    spawn_on,
+)
 from vllm_omni_kv.connector.config import OmniKVConfig
 from vllm_omni_kv.connector.metadata import (
     DiscardSpec,
@@ -96,8 +101,12 @@ class OmniKVWorker:
         spec = cfg.backend
         if "local_rank" not in spec.extra:  # per-rank side-channel ports (network backends)
             spec = ConnectorSpec(spec.name, {**spec.extra, "local_rank": self.tp_rank})
+        cpus = background_cpus(cfg.transfer_cpus)
+        if cpus is not None:
+            logger.info("OmniKVConnector: transfer threads run on CPUs %s", describe(cpus))
         try:
-            self.backend: OmniConnectorBase = OmniConnectorFactory.create_connector(spec)
+            with spawn_on(cpus):  # the backend's threads (side channel, engine I/O)
+                self.backend: OmniConnectorBase = OmniConnectorFactory.create_connector(spec)
         except OmniKVError as e:
             raise type(e)(f"kv_connector_extra_config.backend {cfg.backend.name!r}: {e}") from e
         self.layers: list[LayerCache] = []
@@ -106,6 +115,8 @@ class OmniKVWorker:
         self._landed = threading.Condition(self._lock)  # a load finished
         self._idle_step = False
         self._stop = threading.Event()
+        # load threads stay with the worker: they copy into its cache, and on spare cores
+        # they slowed the forward passes (measured with benchmarks/pd_bench.py)
         self._pool = ThreadPoolExecutor(
             max_workers=cfg.load_threads, thread_name_prefix="omnikv-recv"
         )
