@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -301,21 +302,18 @@ def test_sender_dies_bounded_failure() -> None:
         proc.stop()
 
 
-@pytest.mark.mooncake
-@pytest.mark.slow
-def test_stalled_sender_is_bounded_by_transfer_timeout() -> None:
-    """SIGSTOP the sender between put and pull: the pull must give up, not hang."""
-    proc = SenderProcess(te_config("sender", pool_mib=64))
-    r = _conn("receiver", pool_mib=64, side_channel_timeout_s=1.0, transfer_timeout_s=1.5)
+@contextlib.contextmanager
+def _sender_and_receiver(
+    pool_mib: int, **receiver: Any
+) -> Iterator[tuple[SenderProcess, Any, int]]:
+    """A sender process, an in-process receiver and the sender's pid; the sender is always
+    resumed (it may be SIGSTOPped) and both are always stopped."""
+    proc = SenderProcess(te_config("sender", pool_mib=pool_mib))
+    r = _conn("receiver", pool_mib=pool_mib, **receiver)
     pid = proc.proc.pid
     assert pid is not None
     try:
-        meta = proc.call(op="put", key="big", data=torch.ones(8 << 20, dtype=torch.uint8))["meta"]
-        os.kill(pid, signal.SIGSTOP)
-        t0 = time.monotonic()
-        assert r.get("0", "1", "big", meta) is None
-        assert time.monotonic() - t0 < 5.0
-        assert r.health()["timeouts"] == 1, r.health()  # the pull stalled and was cut off
+        yield proc, r, pid
     finally:
         os.kill(pid, signal.SIGCONT)
         r.close()
@@ -324,14 +322,31 @@ def test_stalled_sender_is_bounded_by_transfer_timeout() -> None:
 
 @pytest.mark.mooncake
 @pytest.mark.slow
+def test_stalled_sender_is_bounded_by_transfer_timeout() -> None:
+    """SIGSTOP the sender between put and pull: the pull must give up, not hang."""
+    with _sender_and_receiver(64, side_channel_timeout_s=1.0, transfer_timeout_s=1.5) as (
+        proc,
+        r,
+        pid,
+    ):
+        meta = proc.call(op="put", key="big", data=torch.ones(8 << 20, dtype=torch.uint8))["meta"]
+        os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        assert r.get("0", "1", "big", meta) is None
+        assert time.monotonic() - t0 < 5.0
+        assert r.health()["timeouts"] == 1, r.health()  # the pull stalled and was cut off
+
+
+@pytest.mark.mooncake
+@pytest.mark.slow
 def test_pull_after_a_stall_succeeds_on_a_fresh_connection() -> None:
     """A stalled pull gives up; once the sender runs again the same key is pulled intact."""
-    proc = SenderProcess(te_config("sender", pool_mib=64))
-    r = _conn("receiver", pool_mib=64, side_channel_timeout_s=2.0, transfer_timeout_s=2.0)
-    pid = proc.proc.pid
-    assert pid is not None
     data = torch.arange(8 << 20, dtype=torch.int32).to(torch.uint8)
-    try:
+    with _sender_and_receiver(64, side_channel_timeout_s=2.0, transfer_timeout_s=2.0) as (
+        proc,
+        r,
+        pid,
+    ):
         meta = proc.call(op="put", key="again", data=data)["meta"]
         os.kill(pid, signal.SIGSTOP)
         assert r.get("0", "1", "again", meta) is None
@@ -345,10 +360,6 @@ def test_pull_after_a_stall_succeeds_on_a_fresh_connection() -> None:
         buf, size = got
         assert size == data.numel() and torch.equal(buf.tensor[:size], data)
         buf.release()
-    finally:
-        os.kill(pid, signal.SIGCONT)
-        r.close()
-        proc.stop()
 
 
 @pytest.mark.mooncake
@@ -356,11 +367,13 @@ def test_pull_after_a_stall_succeeds_on_a_fresh_connection() -> None:
 def test_acquire_that_timed_out_does_not_block_the_retry() -> None:
     """A sender stuck past the side-channel timeout still grants the acquire later; that
     orphan lease must not make the key look exhausted (max_pulls=1) to the retry."""
-    proc = SenderProcess(te_config("sender", pool_mib=16))
-    # a long lease: without holder-scoped leases the retry would wait ~35 s for it to lapse
-    r = _conn("receiver", side_channel_timeout_s=1.0, transfer_timeout_s=30.0)
     data = torch.arange(1 << 16, dtype=torch.int32)
-    try:
+    # a long lease: without holder-scoped leases the retry would wait ~35 s for it to lapse
+    with _sender_and_receiver(16, side_channel_timeout_s=1.0, transfer_timeout_s=30.0) as (
+        proc,
+        r,
+        _pid,
+    ):
         meta = proc.call(op="put", key="slow", data=data)["meta"]
         endpoint = {k: meta[k] for k in ("source_host", "source_port")}
         proc.call(op="hold_gil", seconds=2.0)
@@ -377,9 +390,6 @@ def test_acquire_that_timed_out_does_not_block_the_retry() -> None:
         # that was the one allowed pull: the block is freed, no lease is left behind
         health = proc.call(op="health")["health"]
         assert health["exposed_blocks"] == 0 and health["active_leases"] == 0, health
-    finally:
-        r.close()
-        proc.stop()
 
 
 def test_exposure_table_holder_replaces_its_own_lease() -> None:

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from vllm_omni_kv.testing.engine_proc import EngineProc
+from vllm_omni_kv.testing.engine_proc import EngineProc, kill_group
 from vllm_omni_kv.testing.tiny_model import prompt_text
 
 __all__ = [
@@ -93,11 +93,6 @@ def sweep_dead_segments() -> None:
         from vllm_omni_kv.backends import shm_arena
 
         shm_arena.sweep_orphans()
-
-
-def kill_group(pid: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pid, signal.SIGKILL)
 
 
 def omnikv_files() -> set[str]:

@@ -1,10 +1,11 @@
 """CPU placement of the connector's background threads inside vLLM workers.
 
 vLLM's CPU worker pins its main thread (which busy-waits for the next step) to
-one core, and every thread created afterwards inherits that pin: our side
-channel, the transfer engine's I/O threads and the load threads would all share
-one core with a spinning thread, and a peer waits on them for seconds. They are
-started on the CPUs the process had before vLLM pinned it instead.
+one core, and every thread created afterwards inherits that pin: the backend's
+threads (our side channel, the transfer engine's I/O threads) would share one
+core with a spinning thread, and a peer waits on them for seconds. The worker
+creates its backend inside :func:`spawn_on`, so those threads start on the CPUs
+the process had before vLLM pinned it. Load threads stay on the pinned core.
 """
 
 from __future__ import annotations
@@ -37,15 +38,13 @@ def parse_cpu_list(spec: str) -> set[int]:
 
 def describe(cpus: set[int]) -> str:
     """``{0, 1, 2, 5}`` -> ``"0-2,5"``."""
-    out: list[str] = []
+    runs: list[list[int]] = []
     for c in sorted(cpus):
-        if out and "-" not in out[-1] and int(out[-1]) == c - 1:
-            out[-1] = f"{out[-1]}-{c}"
-        elif out and "-" in out[-1] and int(out[-1].split("-")[1]) == c - 1:
-            out[-1] = f"{out[-1].split('-')[0]}-{c}"
+        if runs and runs[-1][1] == c - 1:
+            runs[-1][1] = c
         else:
-            out.append(str(c))
-    return ",".join(out)
+            runs.append([c, c])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def background_cpus(setting: str = "auto") -> set[int] | None:
@@ -68,7 +67,7 @@ def background_cpus(setting: str = "auto") -> set[int] | None:
 
 
 def apply_to_current_thread(cpus: set[int] | None) -> None:
-    """Move the calling thread to ``cpus`` (used as a thread-pool initializer)."""
+    """Move the calling thread to ``cpus`` (None: leave it where it is)."""
     if cpus is None:
         return
     try:

@@ -12,8 +12,10 @@ plus ``kv_transfer_config``. Commands: ``{"cmd": "generate", "prompts":
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -23,6 +25,12 @@ from pathlib import Path
 from typing import Any
 
 MARK = "@@OMNIKV@@ "
+
+
+def kill_group(pid: int, sig: int = signal.SIGKILL) -> None:
+    """Signal a whole process group (an engine and its children); gone already is fine."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, sig)
 
 
 def _emit(obj: dict[str, Any]) -> None:
@@ -196,18 +204,11 @@ class EngineProc:
 
     def kill(self) -> None:
         """SIGKILL the whole process group (the engine core is a child process)."""
-        import signal
-
         if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            kill_group(self.proc.pid)
         self.proc.wait(timeout=30)
 
     def stop(self, timeout: float = 60.0) -> None:
-        import signal
-
         if self.proc.poll() is None:
             try:
                 assert self.proc.stdin is not None
@@ -219,16 +220,13 @@ class EngineProc:
             try:
                 self.proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
+                kill_group(self.proc.pid, signal.SIGTERM)
                 try:
-                    os.killpg(self.proc.pid, signal.SIGTERM)
                     self.proc.wait(timeout=15)
-                except (ProcessLookupError, subprocess.TimeoutExpired):
+                except subprocess.TimeoutExpired:
                     self.kill()
         else:  # reap stray children of a crashed engine
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            kill_group(self.proc.pid)
         if self._log_file:
             self._log_file.close()
             self._log_file = None

@@ -14,12 +14,7 @@ import torch
 
 from vllm_omni_kv.backends.base import OmniConnectorBase
 from vllm_omni_kv.backends.factory import OmniConnectorFactory
-from vllm_omni_kv.errors import (
-    BackendUnavailable,
-    ConfigError,
-    KVPayloadError,
-    OmniKVError,
-)
+from vllm_omni_kv.errors import BackendUnavailable, ConfigError, KVPayloadError, OmniKVError
 from vllm_omni_kv.logger import init_logger
 from vllm_omni_kv.transfer import distributed
 from vllm_omni_kv.transfer.config import ConnectorSpec
@@ -32,9 +27,7 @@ from vllm_omni_kv.transfer.kv_utils import (
     get_local_tp_rank,
     validate_kv_tp_topology,
 )
-from vllm_omni_kv.transfer.parts import (
-    send_parts,
-)
+from vllm_omni_kv.transfer.parts import send_parts
 from vllm_omni_kv.transfer.payload import KVCacheTransferData
 from vllm_omni_kv.transfer.receiver import KVReceiver
 

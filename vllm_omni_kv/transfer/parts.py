@@ -24,8 +24,6 @@ from vllm_omni_kv.transfer.codec import LazyTensor
 from vllm_omni_kv.transfer.payload import KVCacheTransferData
 
 PART_INDEX, NUM_PARTS, LAYER_START = "part_index", "num_parts", "layer_start"
-#: default upper bound of one part; 0 disables splitting
-DEFAULT_MAX_PART_BYTES = 8 << 20
 #: parts per payload are bounded so a corrupt header cannot make a receiver wait forever
 MAX_PARTS = 4096
 
@@ -108,28 +106,38 @@ def part_layer_count(obj: dict[str, Any]) -> int:
     return n
 
 
+def _check_part(
+    part: dict[str, Any], index: int, num: int, request_id: Any, layer: int, where: str = ""
+) -> int:
+    """Check that ``part`` is part ``index`` of ``num`` of ``request_id`` starting at ``layer``;
+    return the layer the next part must start at."""
+    info = part_info(part)
+    if info is None or info[:2] != (index, num):
+        raise KVPayloadError(f"{where}KV part {index} of {num} carries part metadata {info}")
+    if part.get("request_id") != request_id:
+        raise KVPayloadError(
+            f"{where}KV part {index} of {num} belongs to request {part.get('request_id')!r}, "
+            f"part 0 to {request_id!r}"
+        )
+    if info[2] != layer:
+        raise KVPayloadError(
+            f"{where}KV part {index} of {num} starts at layer {info[2]}, expected {layer}"
+        )
+    return layer + part_layer_count(part)
+
+
 def join_parts(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Reassemble received parts (in order) into one payload dict; tensors stay views."""
     if len(parts) == 1 and part_info(parts[0]) is None:
         return parts[0]
-    infos = [part_info(p) for p in parts]
     first = parts[0]
-    expected = 0
+    layer = 0
     layer_blocks: dict[str, list[Any]] = {name: [] for name in first.get("layer_blocks") or {}}
-    for i, (p, info) in enumerate(zip(parts, infos, strict=True)):
-        if info is None or info[0] != i or info[1] != len(parts):
-            raise KVPayloadError(f"KV part {i} of {len(parts)} carries part metadata {info}")
-        if p.get("request_id") != first.get("request_id"):
-            raise KVPayloadError(
-                f"KV part {i} belongs to request {p.get('request_id')!r}, "
-                f"part 0 to {first.get('request_id')!r}"
-            )
-        if info[2] != expected:
-            raise KVPayloadError(f"KV part {i} starts at layer {info[2]}, expected {expected}")
+    for i, p in enumerate(parts):
+        layer = _check_part(p, i, len(parts), first.get("request_id"), layer)
         blocks = p.get("layer_blocks") or {}
         if set(blocks) != set(layer_blocks):
             raise KVPayloadError(f"KV part {i} carries layer_blocks {sorted(blocks)}")
-        expected += part_layer_count(p)
         for name, layers in blocks.items():
             layer_blocks[name].extend(layers)
     part_fields = (PART_INDEX, NUM_PARTS, LAYER_START)
@@ -169,7 +177,7 @@ def iter_parts(
     if info is None:
         return
     num = info[1]
-    expected_layer = info[2] + part_layer_count(first)
+    layer = info[2] + part_layer_count(first)
     for i in range(1, num):
         got = poll(part_key(key, i), False)
         if got is None:
@@ -178,12 +186,5 @@ def iter_parts(
                 "(the sender stalled or exited mid-payload)"
             )
         part, size = got
-        pi = part_info(part)
-        if pi is None or pi[:2] != (i, num) or part.get("request_id") != first.get("request_id"):
-            raise KVPayloadError(f"{part_key(key, i)!r} does not hold part {i} of {num} of {key!r}")
-        if pi[2] != expected_layer:
-            raise KVPayloadError(
-                f"part {i} of {key!r} starts at layer {pi[2]}, expected {expected_layer}"
-            )
-        expected_layer += part_layer_count(part)
+        layer = _check_part(part, i, num, first.get("request_id"), layer, f"{key!r}: ")
         yield part, size

@@ -4,7 +4,7 @@ parts, heterogeneous-TP merge/slice, and injection straight into a paged cache."
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -112,7 +112,7 @@ class KVReceiver:
 
     def _parts(
         self, key: str, from_rank: int | None, deadline: float
-    ) -> Any:  # Iterator[tuple[dict, int]]
+    ) -> Iterator[tuple[dict[str, Any], int]]:
         """The parts under ``key``; later parts are in flight, so they are polled tightly."""
         from_stage, to_stage = self.recv_stages
         assert from_stage is not None and to_stage is not None
@@ -236,25 +236,24 @@ class KVReceiver:
         return max(tokens, 0), total
 
 
+def _map_layer_tensors(data: dict[str, Any], fn: Callable[[torch.Tensor], Any]) -> dict[str, Any]:
+    """``data`` with ``fn`` applied to every tensor of its per-layer lists."""
+    blocks = {
+        name: [fn(t) if isinstance(t, torch.Tensor) else t for t in layers]
+        if isinstance(layers, list)
+        else layers
+        for name, layers in data.get("layer_blocks", {}).items()
+    }
+    return {**data, "layer_blocks": blocks}
+
+
 def _trim_to_num_tokens(data: dict[str, Any]) -> dict[str, Any]:
     """Producers may ship whole blocks; keep the first ``metadata.num_tokens`` rows (views)."""
     n = (data.get("metadata") or {}).get("num_tokens")
     if not isinstance(n, int) or isinstance(n, bool) or n < 0:
         return data
-    blocks = {
-        name: [t[:n] if isinstance(t, torch.Tensor) and t.shape[0] > n else t for t in layers]
-        if isinstance(layers, list)
-        else layers
-        for name, layers in data.get("layer_blocks", {}).items()
-    }
-    return {**data, "layer_blocks": blocks}
+    return _map_layer_tensors(data, lambda t: t[:n] if t.shape[0] > n else t)
 
 
 def _to_device(data: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    blocks = {
-        name: [t.to(device) if isinstance(t, torch.Tensor) else t for t in layers]
-        if isinstance(layers, list)
-        else layers
-        for name, layers in data.get("layer_blocks", {}).items()
-    }
-    return {**data, "layer_blocks": blocks}
+    return _map_layer_tensors(data, lambda t: t.to(device))
