@@ -77,10 +77,12 @@ def _row(path: str, nbytes: int, seconds: float, memcpy_s: float, **extra: Any) 
 # -- the two-process shared-memory move --------------------------------------------------------
 
 
-def _manager(ns: str, *, send: bool, max_part_bytes: int) -> OmniKVTransferManager:
+def _manager(
+    ns: str, *, send: bool, max_part_bytes: int | None, stream: bool = True
+) -> OmniKVTransferManager:
     return OmniKVTransferManager(
         OmniKVCacheConfig(
-            connector_config={"type": "SharedMemoryConnector", "namespace": ns},
+            connector_config={"type": "SharedMemoryConnector", "namespace": ns, "stream": stream},
             from_stage="prefill",
             to_stage="decode",
             need_send_cache=send,
@@ -99,11 +101,17 @@ def _extract(fmt: str, key: str, ids: list[int], tokens: int, caches: list[torch
 
 
 def _consumer(
-    ns: str, fmt: str, tokens: int, repeats: int, max_part_bytes: int, conn_pipe: Any
+    ns: str,
+    fmt: str,
+    tokens: int,
+    repeats: int,
+    max_part_bytes: int | None,
+    stream: bool,
+    conn_pipe: Any,
 ) -> None:
     torch.set_num_threads(1)
     caches, ids = _paged_caches(tokens, seed=99)  # the consumer's own cache, other block ids
-    mgr = _manager(ns, send=False, max_part_bytes=max_part_bytes)
+    mgr = _manager(ns, send=False, max_part_bytes=max_part_bytes, stream=stream)
     try:
         for i in range(repeats + 1):
             got = mgr.receive_kv_cache_into(f"req{i}", list(caches), ids)
@@ -116,7 +124,11 @@ def _consumer(
 
 
 def shm_move(
-    nbytes_target: int, repeats: int, fmt: str = "blocks", max_part_bytes: int = 0
+    nbytes_target: int,
+    repeats: int,
+    fmt: str = "blocks",
+    max_part_bytes: int | None = None,
+    stream: bool = True,
 ) -> tuple[float, int]:
     """Median seconds from the producer's extract+send start to the consumer's inject end.
 
@@ -128,9 +140,10 @@ def shm_move(
     ns = f"bench{os.getpid()}"
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_consumer, args=(ns, fmt, tokens, repeats, max_part_bytes, child))
+    args = (ns, fmt, tokens, repeats, max_part_bytes, stream, child)
+    proc = ctx.Process(target=_consumer, args=args)
     proc.start()
-    tx = _manager(ns, send=True, max_part_bytes=max_part_bytes)
+    tx = _manager(ns, send=True, max_part_bytes=max_part_bytes, stream=stream)
     times = []
     size = 0
     try:
@@ -152,10 +165,12 @@ def shm_move(
     return statistics.median(times), size
 
 
-MOVES = [
-    ("shm move, blocks, one frame (cache->cache, 2 procs)", "blocks", 0),
-    ("shm move, blocks, layer parts (cache->cache, 2 procs)", "blocks", DEFAULT_MAX_PART_BYTES),
-    ("shm move, tokens, layer parts (cache->cache, 2 procs)", "tokens", DEFAULT_MAX_PART_BYTES),
+#: (row, payload format, max_part_bytes, stream); the first row is the default configuration
+MOVES: list[tuple[str, str, int | None, bool]] = [
+    ("shm move, blocks, streamed (cache->cache, 2 procs)", "blocks", None, True),
+    ("shm move, blocks, layer parts, not streamed", "blocks", DEFAULT_MAX_PART_BYTES, False),
+    ("shm move, blocks, one frame, not streamed", "blocks", 0, False),
+    ("shm move, tokens, streamed (cache->cache, 2 procs)", "tokens", None, True),
 ]
 
 
@@ -187,14 +202,14 @@ def measure_size(mib: int, repeats: int, trials: int) -> list[dict[str, Any]]:
     rows.append(_row("unpack (verify, views)", frame.nbytes, unpack_s, memcpy_s))
     unpack_nv = _median_seconds(lambda: KVCacheTransferData.from_bytes(buf, verify=False), repeats)
     rows.append(_row("unpack (no verify, views)", frame.nbytes, unpack_nv, memcpy_s))
-    samples: dict[str, list[tuple[float, float, int]]] = {path: [] for path, _f, _p in MOVES}
+    samples: dict[str, list[tuple[float, float, int]]] = {m[0]: [] for m in MOVES}
     for _ in range(trials):
         base = memcpy()
-        for path, fmt, part in MOVES:
-            move_s, size = shm_move(nbytes, repeats, fmt, max_part_bytes=part)
+        for path, fmt, part, stream in MOVES:
+            move_s, size = shm_move(nbytes, repeats, fmt, max_part_bytes=part, stream=stream)
             samples[path].append((move_s, base, size))
     line = f"{mib:4d} MiB  memcpy {nbytes / memcpy_s / 1e9:6.2f} GB/s | pack {frame.nbytes / pack_s / 1e9:6.2f}"
-    for path, _fmt, part in MOVES:
+    for path, _fmt, part, stream in MOVES:
         got = samples[path]
         fractions = [b / m for m, b, _ in got]
         move_s = statistics.median(m for m, _, _ in got)
@@ -203,6 +218,7 @@ def measure_size(mib: int, repeats: int, trials: int) -> list[dict[str, Any]]:
         row["fraction_of_memcpy"] = statistics.median(fractions)
         row["fraction_samples"] = [round(f, 3) for f in fractions]
         row["max_part_bytes"] = part
+        row["stream"] = stream
         rows.append(row)
         line += f" | {path.split(' (')[0][10:]}: {row['fraction_of_memcpy']:.0%}"
         line += f" ({min(fractions):.0%}-{max(fractions):.0%})"
@@ -254,7 +270,7 @@ def plot(rows: list[dict[str, Any]], out: Path) -> None:
             [y for _, y in pts],
             marker="o",
             label=p,
-            lw=2.5 if p == "memcpy" else 1.5,
+            lw=2.5 if p in ("memcpy", MOVES[0][0]) else 1.5,
         )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")

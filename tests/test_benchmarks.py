@@ -25,7 +25,8 @@ def test_transfer_bench_quick_run_writes_json_and_plot(tmp_path: Path) -> None:
     rows = json.loads(out.read_text())["rows"]
     paths = {r["path"] for r in rows}
     assert "memcpy" in paths
-    assert "shm move, blocks, layer parts (cache->cache, 2 procs)" in paths
+    assert "shm move, blocks, streamed (cache->cache, 2 procs)" in paths
+    assert "shm move, blocks, layer parts, not streamed" in paths
     moves = [r for r in rows if r["path"].startswith("shm move")]
     assert moves and all(r["gbps"] > 0 and r["fraction_samples"] for r in moves)
     assert out.with_suffix(".png").stat().st_size > 10_000

@@ -136,10 +136,32 @@ def test_iter_parts_reports_a_missing_later_part() -> None:
 
 
 def test_config_validates_part_settings() -> None:
-    with pytest.raises(ConfigError, match="max_part_bytes"):
-        OmniKVCacheConfig(max_part_bytes=-1)
+    for bad in (-1, True, "8M"):
+        with pytest.raises(ConfigError, match="max_part_bytes"):
+            OmniKVCacheConfig(max_part_bytes=bad)  # type: ignore[arg-type]
+    assert OmniKVCacheConfig().max_part_bytes is None  # automatic
     with pytest.raises(ConfigError, match="poll_interval"):
         OmniKVCacheConfig(poll_interval=0)
+
+
+@pytest.mark.parametrize("stream,expected_puts", [(True, 1), (False, LAYERS)])
+def test_unset_max_part_bytes_sends_one_frame_only_to_streaming_backends(
+    ns: str, stream: bool, expected_puts: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Automatic parts: one streamed frame over shm, layer parts over a non-streaming backend."""
+    monkeypatch.setattr("vllm_omni_kv.transfer.manager.DEFAULT_MAX_PART_BYTES", 1)
+    cfg = OmniKVCacheConfig(
+        connector_config={"type": "SharedMemoryConnector", "namespace": ns, "stream": stream},
+        from_stage="prefill",
+        to_stage="decode",
+        need_send_cache=True,
+    )
+    caches = [cpu_layout_cache(i) for i in range(LAYERS)]
+    data = extract_request_blocks("req_a", BLOCKS, SEQ, caches)
+    with OmniKVTransferManager(cfg) as mgr:
+        assert mgr.connector.supports_streaming is stream
+        assert mgr.send_kv_cache("req_a", data)
+        assert mgr.connector.health()["puts"] == expected_puts
 
 
 # -- across processes, through the shared-memory backend --------------------------------------------

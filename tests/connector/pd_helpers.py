@@ -107,7 +107,7 @@ def _owned_by_live_process(name: str) -> bool:
     from vllm_omni_kv.backends import shm_arena
 
     pid = shm_arena._owner_pid(name)
-    return pid is not None and shm_arena._pid_alive(pid)
+    return pid is not None and shm_arena.pid_alive(pid)
 
 
 def live_arena_segment(name: str) -> bool:
@@ -117,4 +117,4 @@ def live_arena_segment(name: str) -> bool:
     if not name.startswith(shm_arena.SEG_PREFIX):
         return False
     pid = shm_arena._owner_pid(name)
-    return pid is not None and shm_arena._pid_alive(pid)
+    return pid is not None and shm_arena.pid_alive(pid)

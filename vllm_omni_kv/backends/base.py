@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from types import TracebackType
 from typing import Any
 
+from vllm_omni_kv.closing import Closing
 from vllm_omni_kv.transfer import codec
+from vllm_omni_kv.transfer.stream import CompleteStream, PayloadStream
 
 
-class OmniConnectorBase(ABC):
+class OmniConnectorBase(Closing, ABC):
     """Key-addressed put/get transport between pipeline stages.
 
     ``put`` stores an object under a key for an edge ``from_stage -> to_stage``;
@@ -20,6 +21,8 @@ class OmniConnectorBase(ABC):
 
     #: True when ``put`` accepts packed device tensors / raw buffers directly.
     supports_raw_data: bool = False
+    #: True when ``open_stream`` can hand over a frame while it is still being written.
+    supports_streaming: bool = False
 
     _closed: bool = False
 
@@ -38,6 +41,18 @@ class OmniConnectorBase(ABC):
         metadata: dict[str, Any] | None = None,
     ) -> tuple[Any, int] | None:
         """Retrieve ``(object, serialized_size)``, or None when not (yet) available."""
+
+    def open_stream(
+        self,
+        from_stage: str,
+        to_stage: str,
+        get_key: str,
+        metadata: dict[str, Any] | None = None,
+    ) -> PayloadStream | None:
+        """Like ``get`` but may return before the payload is complete (see
+        :mod:`vllm_omni_kv.transfer.stream`); None when it is not available yet."""
+        got = self.get(from_stage, to_stage, get_key, metadata)
+        return None if got is None else CompleteStream(*got)
 
     @abstractmethod
     def cleanup(self, request_id: str) -> None:
@@ -64,17 +79,6 @@ class OmniConnectorBase(ABC):
     def deserialize_obj(data: bytes | bytearray | memoryview) -> Any:
         """Inverse of :meth:`serialize_obj`; raises ``KVPayloadError`` on malformed input."""
         return codec.decode(data)
-
-    def __enter__(self) -> OmniConnectorBase:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __del__(self) -> None:  # best effort: never leak segments/threads on GC
         try:

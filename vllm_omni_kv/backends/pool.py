@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import bisect
 import threading
-from types import TracebackType
 from typing import Any, NoReturn
 
 import torch
 
+from vllm_omni_kv.closing import Closing
 from vllm_omni_kv.errors import ConfigError, KVTransferError
 
 
@@ -156,7 +156,7 @@ class BufferAllocator:
         raise KVTransferError(f"free of offset {offset}: not the start of any allocated block")
 
 
-class ManagedBuffer:
+class ManagedBuffer(Closing):
     """A block of a :class:`MemoryPool`; release it (or use ``with``) when done.
 
     Dropping a ManagedBuffer without ``release()`` does not free its block (tensor
@@ -226,15 +226,8 @@ class ManagedBuffer:
             self._released = True
         self.pool.allocator.free(self.offset)
 
-    def __enter__(self) -> ManagedBuffer:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def close(self) -> None:
+        """Same as :meth:`release` (so ``with buffer:`` releases it)."""
         self.release()
 
     def __repr__(self) -> str:

@@ -6,22 +6,31 @@ a name derived from the key; ``get`` claims the entry (exactly one reader
 wins) and returns the decoded object whose tensors are views of the
 producer's segment (no copy on the reader's side). The segment goes back to
 the producer when the last view is garbage collected. See
-:mod:`vllm_omni_kv.backends.shm_arena` for the file layout. Linux only.
+:mod:`vllm_omni_kv.backends.shm_arena` for the file layout (the producer's side)
+and :mod:`vllm_omni_kv.backends.shm_reader` for the reader's. Linux only.
+
+Streaming (``stream``, default on x86-64): the entry is published as soon as
+the frame's header is written; ``get`` still waits for the whole frame, while
+``open_stream`` hands it over at once and lets the reader copy each packed step
+out while the producer writes the next.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import platform
 import threading
 import time
 from typing import Any
 
 from vllm_omni_kv.backends import shm_arena as arena
+from vllm_omni_kv.backends import shm_reader as reader
 from vllm_omni_kv.backends.base import OmniConnectorBase
 from vllm_omni_kv.errors import BackendUnavailable, ConfigError, KVTransferError
 from vllm_omni_kv.logger import init_logger
 from vllm_omni_kv.transfer import codec
+from vllm_omni_kv.transfer.stream import PayloadStream
 
 logger = init_logger(__name__)
 
@@ -30,6 +39,11 @@ def index_name(namespace: str, from_stage: str, to_stage: str, key: str) -> str:
     """The index-entry name for ``key`` on the edge ``from_stage -> to_stage``."""
     ident = "\0".join((namespace, str(from_stage), str(to_stage), str(key)))
     return arena.IDX_PREFIX + hashlib.blake2b(ident.encode(), digest_size=16).hexdigest()
+
+
+def _ordered_stores() -> bool:
+    """True on CPUs whose stores become visible to other cores in program order."""
+    return platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 
 def _key_matches(request_id: str, key: str) -> bool:
@@ -45,7 +59,10 @@ class SharedMemoryConnector(OmniConnectorBase):
     host; default ``"default"``), ``pool_max_bytes`` (arena size a producer may
     keep mapped; larger payloads use one-off segments; default 1 GiB),
     ``ttl_seconds`` (an unconsumed entry older than this is removed by its
-    producer; default 600), ``verify`` (check checksums on get; default True).
+    producer; default 600), ``verify`` (check checksums on get; default True),
+    ``stream`` (publish entries before they are fully written so that
+    ``open_stream`` readers overlap their copy with the producer's; default
+    true on x86-64, whose store ordering the protocol relies on).
     Remote-transport metadata (``source_host``...) is ignored: lookups are by key.
     """
 
@@ -72,12 +89,20 @@ class SharedMemoryConnector(OmniConnectorBase):
             )
         self.namespace = str(self.config.get("namespace", "default"))
         self.verify = bool(self.config.get("verify", True))
+        self.stream = bool(self.config.get("stream", _ordered_stores()))
+        if self.stream and not _ordered_stores():
+            logger.warning(
+                "SharedMemoryConnector: stream=true on %s, whose CPU may reorder stores: "
+                "readers can see a checksum mismatch (never wrong data); set stream=false",
+                platform.machine(),
+            )
+        self.supports_streaming = self.stream
         self.stage_id = self.config.get("stage_id", -1)
         self.device = self.config.get("device", "cpu")
         self._arena = arena.ProducerArena(
             pool_max, populate=bool(self.config.get("populate", True))
         )
-        self._maps = arena.ConsumerMaps()
+        self._maps = reader.ConsumerMaps()
         self._lock = threading.Lock()
         # index entries this process published and nobody claimed yet: name -> (key, time)
         self._owned: dict[str, tuple[str, float]] = {}
@@ -101,7 +126,13 @@ class SharedMemoryConnector(OmniConnectorBase):
                 f"key {put_key!r} on edge {from_stage}->{to_stage} is already published and "
                 "unconsumed; use a unique key per transfer or cleanup() the old one"
             )
-        size, inline = arena.publish(self._arena, name, codec.encode(data), self.threshold)
+        try:
+            size, inline = arena.publish(
+                self._arena, name, codec.encode(data), self.threshold, stream=self.stream
+            )
+        except BaseException:
+            self._discard(name)  # a streamed entry may already be visible: withdraw it
+            raise
         with self._lock:
             self._owned[name] = (put_key, time.monotonic())
             self._stats["puts"] += 1
@@ -126,18 +157,49 @@ class SharedMemoryConnector(OmniConnectorBase):
         """
         self._check_open()
         name = index_name(self.namespace, from_stage, to_stage, get_key)
-        entry = arena.claim_index(name)
+        entry = self._claim(name, complete=True)
         if entry is None:
-            with self._lock:
-                self._stats["misses"] += 1
             return None
+        obj, size = reader.read_entry(entry, self._maps, verify=self.verify)
+        self._count_get(size)
+        return obj, size
+
+    def open_stream(
+        self,
+        from_stage: str,
+        to_stage: str,
+        get_key: str,
+        metadata: dict[str, Any] | None = None,
+    ) -> PayloadStream | None:
+        """Claim the entry for ``get_key`` even while its producer is still writing it."""
+        self._check_open()
+        name = index_name(self.namespace, from_stage, to_stage, get_key)
+        entry = self._claim(name, complete=False)
+        if entry is None:
+            return None
+        stream = reader.open_entry_stream(entry, self._maps, verify=self.verify)
+        self._count_get(stream.size)
+        return stream
+
+    def _claim(self, name: str, *, complete: bool) -> bytes | None:
+        entry: bytes | None = None
+        if complete:  # leave a streamed entry in place until its producer is done
+            peeked = reader.peek_index(name)
+            if peeked is not None and reader.entry_complete(peeked, self._maps):
+                entry = arena.claim_index(name)
+        else:
+            entry = arena.claim_index(name)
         with self._lock:
-            self._owned.pop(name, None)
-        obj, size = arena.read_entry(entry, self._maps, verify=self.verify)
+            if entry is None:
+                self._stats["misses"] += 1
+            else:
+                self._owned.pop(name, None)
+        return entry
+
+    def _count_get(self, size: int) -> None:
         with self._lock:
             self._stats["gets"] += 1
             self._stats["bytes_got"] += size
-        return obj, size
 
     # -- lifecycle -----------------------------------------------------------------------
     def _expire_old(self) -> None:
@@ -161,8 +223,9 @@ class SharedMemoryConnector(OmniConnectorBase):
         if reason:
             logger.warning("withdrew shared-memory entry %s: %s", name, reason)
         try:
-            obj = arena.read_entry(entry, self._maps, verify=False)
-            del obj  # dropping the views returns the segment to the arena
+            ref = reader.parse_ref(entry)
+            if ref is not None:
+                reader.release_claimed(reader.map_segment(ref, self._maps), ref, self._maps)
         except Exception:  # corrupt or already recycled: nothing left to free
             pass
 

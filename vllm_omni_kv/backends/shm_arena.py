@@ -6,45 +6,47 @@ keeps a few large segments mapped for its whole life and reuses them; a
 consumer caches its mappings of them. Files in ``/dev/shm``:
 
 * ``omnikv_seg_<pid>_<id>`` - an arena segment of the producer ``pid``. Its first
-  64 bytes are a slot header: ``u32 state | u32 pad | u64 generation``;
-  the frame follows at offset 64. States: FREE, PUBLISHED (a reader may claim
-  it), ONESHOT (a one-off segment the reader unlinks after use).
-* ``omnikv_idx_<digest>`` - the index entry of one key: ``b"R"`` + msgpack
-  ``{seg, gen, size, pid}`` pointing into a segment, or ``b"I"`` + an inline
-  frame for small payloads. Written under a temporary name then renamed, so
-  readers never see half of one; claimed by renaming (one reader wins).
+  64 bytes are a slot header: ``u64 state | u64 generation | u64 progress |
+  u64 abandoned``; the frame follows at offset 64. States: FREE,
+  PUBLISHED (a reader may claim it), ONESHOT (a one-off segment the reader
+  unlinks after use; also "reserved" while a producer writes a pooled one),
+  STREAMING (published while the producer is still writing: ``progress`` leading
+  frame bytes are final) and ABORTED (the producer failed mid-write).
+* ``omnikv_idx_<digest>`` - the index entry of one key: ``b"R"`` (complete) or
+  ``b"S"`` (streamed: possibly still being written) + msgpack ``{seg, gen, size,
+  pid, pooled}`` pointing into a segment, or ``b"I"`` + an inline frame for small
+  payloads. Written under a temporary name then renamed, so readers never see
+  half of one; claimed by renaming (one reader wins).
 
-The consumer returns a segment to its producer (state FREE) when the last
-tensor view of the decoded object is garbage collected. Files of dead
-processes are swept by :func:`sweep_orphans`.
+The consumer (:mod:`vllm_omni_kv.backends.shm_reader`) returns a segment to its
+producer (state FREE) when the last tensor view of the decoded object is garbage
+collected (for a stream: once it is also closed). A streaming reader that gives up before the producer finished writes
+the generation into ``abandoned`` instead, and the producer frees the segment:
+each field has a single writer at any time, so no atomic operations are needed.
+Files of dead processes are swept by :func:`sweep_orphans`.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
-import struct
 import threading
 import uuid
-import weakref
-from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
 
 import msgpack
 import numpy as np
 
-from vllm_omni_kv.errors import KVPayloadError, KVTransferError
 from vllm_omni_kv.transfer import codec
 
 SHM_DIR = "/dev/shm"
 PREFIX = "omnikv_"
 SEG_PREFIX = PREFIX + "seg_"
 IDX_PREFIX = PREFIX + "idx_"
-SLOT_HEADER = struct.Struct("<IIQ")
+SLOT_WORDS = 4  # state, generation, progress, abandoned: u64 each
 DATA_OFFSET = 64
-FREE, PUBLISHED, ONESHOT = 0, 1, 2
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+FREE, PUBLISHED, ONESHOT, STREAMING, ABORTED = 0, 1, 2, 3, 4
+POPULATE = getattr(mmap, "MAPPOPULATE", 0)
 
 
 def size_class(n: int) -> int:
@@ -54,20 +56,20 @@ def size_class(n: int) -> int:
     return (n + step - 1) // step * step
 
 
-def _path(name: str) -> str:
+def path(name: str) -> str:
     return os.path.join(SHM_DIR, name)
 
 
 def unlink_quiet(name: str) -> bool:
     try:
-        os.unlink(_path(name))
+        os.unlink(path(name))
         return True
     except FileNotFoundError:
         return False
 
 
 def _create_file(name: str, size: int) -> int:
-    fd = os.open(_path(name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    fd = os.open(path(name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, size)
     except BaseException:
@@ -83,13 +85,44 @@ class Segment:
     capacity: int  # frame bytes it can hold (excludes the slot header)
     mm: mmap.mmap
     last_use: int = 0  # producer-side acquire counter: the highest is the most cache-hot
+    _words: np.ndarray | None = None
+
+    def words(self) -> np.ndarray:
+        """The slot header as four ``u64`` words. Each field is written with one aligned
+        8-byte store, so other processes never see it half written (``struct.pack_into``
+        zeroes its target first, which a concurrent reader could observe)."""
+        if self._words is None:
+            self._words = np.frombuffer(self.mm, dtype="<u8", count=SLOT_WORDS)
+        return self._words
 
     def state(self) -> tuple[int, int]:
-        st, _pad, gen = SLOT_HEADER.unpack_from(self.mm, 0)
-        return st, gen
+        w = self.words()
+        return int(w[0]), int(w[1])
 
     def set_state(self, state: int, gen: int) -> None:
-        SLOT_HEADER.pack_into(self.mm, 0, state, 0, gen)
+        w = self.words()
+        w[1] = gen
+        w[0] = state
+
+    def full_state(self) -> tuple[int, int, int, int]:
+        """``(state, generation, progress, abandoned)``, read in that order."""
+        st, gen, progress, abandoned = self.words().tolist()
+        return st, gen, progress, abandoned
+
+    def set_progress(self, nbytes: int) -> None:
+        self.words()[2] = nbytes
+
+    def abandon(self, gen: int) -> None:
+        """Reader side: give up on generation ``gen`` before its producer finished."""
+        self.words()[3] = gen
+
+    def reusable(self) -> bool:
+        st, gen, _progress, abandoned = self.full_state()
+        return st == FREE or (abandoned == gen and st in (PUBLISHED, ABORTED))
+
+    def unmap(self) -> None:
+        self._words = None
+        close_map(self.mm)
 
 
 class ProducerArena:
@@ -113,7 +146,7 @@ class ProducerArena:
             self._uses += 1
             best: Segment | None = None
             for seg in self._segments:
-                if seg.capacity >= nbytes and seg.state()[0] == FREE:
+                if seg.capacity >= nbytes and seg.reusable():
                     # smallest fit; among equals the most recently used (its pages are
                     # likely still in the CPU cache, so rewriting them avoids DRAM reads)
                     if best is None or (seg.capacity, -seg.last_use) < (
@@ -138,7 +171,7 @@ class ProducerArena:
         name = f"{SEG_PREFIX}{self.pid}_{uuid.uuid4().hex[:16]}"
         fd = _create_file(name, DATA_OFFSET + capacity)
         try:
-            flags = mmap.MAP_SHARED | (_POPULATE if self.populate else 0)
+            flags = mmap.MAP_SHARED | (POPULATE if self.populate else 0)
             mm = mmap.mmap(fd, DATA_OFFSET + capacity, flags=flags)
         except BaseException:
             unlink_quiet(name)
@@ -147,23 +180,30 @@ class ProducerArena:
             os.close(fd)
         return Segment(name, capacity, mm)
 
+    def finish_stream(self, seg: Segment, state: int, gen: int) -> None:
+        """Mark a streamed segment terminal; free it at once when its reader gave up."""
+        with self._lock:
+            seg.set_state(state, gen)
+            if seg.full_state()[3] == gen:
+                seg.set_state(FREE, gen)
+
     def release_unpublished(self, seg: Segment, pooled: bool) -> None:
         """Undo :meth:`acquire` after a failed write."""
         if pooled:
             seg.set_state(FREE, seg.state()[1])
         else:
-            _close_map(seg.mm)
+            seg.unmap()
             unlink_quiet(seg.name)
 
     def close(self) -> None:
         with self._lock:
             segs, self._segments = self._segments, []
         for seg in segs:
-            _close_map(seg.mm)
+            seg.unmap()
             unlink_quiet(seg.name)
 
 
-def _close_map(mm: mmap.mmap) -> None:
+def close_map(mm: mmap.mmap) -> None:
     try:
         mm.close()
     except BufferError:  # views still alive somewhere: the GC unmaps it later
@@ -171,27 +211,70 @@ def _close_map(mm: mmap.mmap) -> None:
 
 
 def publish(
-    arena: ProducerArena, index_name: str, frame: codec.Frame, inline_below: int
+    arena: ProducerArena,
+    index_name: str,
+    frame: codec.Frame,
+    inline_below: int,
+    *,
+    stream: bool = False,
 ) -> tuple[int, bytes | None]:
-    """Write ``frame`` and its index entry; return ``(size, inline_bytes_or_None)``."""
+    """Write ``frame`` and its index entry; return ``(size, inline_bytes_or_None)``.
+
+    With ``stream`` a pooled segment is published as soon as the frame's header
+    is written, and its ``progress`` advances with every packed step. Frames with
+    byte blobs are not streamed: decoding copies blobs, so they must be final first.
+    """
     size = frame.nbytes
     if size < inline_below:
         blob = frame.to_bytearray()
         _write_index(index_name, b"I" + bytes(blob))
         return size, bytes(blob)
     seg, pooled = arena.acquire(size)
+    if stream and pooled and not frame.blobs:
+        _publish_streaming(arena, seg, index_name, frame)
+        return size, None
     try:
         frame.pack_into(memoryview(seg.mm)[DATA_OFFSET : DATA_OFFSET + size])
         gen = seg.state()[1] + 1
         seg.set_state(PUBLISHED if pooled else ONESHOT, gen)
-        ref = {"seg": seg.name, "gen": gen, "size": size, "pid": arena.pid, "pooled": pooled}
-        _write_index(index_name, b"R" + msgpack.packb(ref))
+        _write_index(index_name, _ref_entry(arena, seg, gen, size, pooled, False))
     except BaseException:
         arena.release_unpublished(seg, pooled)
         raise
     if not pooled:
-        _close_map(seg.mm)  # the reader unlinks a one-shot segment after use
+        seg.unmap()  # the reader unlinks a one-shot segment after use
     return size, None
+
+
+def _ref_entry(
+    arena: ProducerArena, seg: Segment, gen: int, size: int, pooled: bool, stream: bool
+) -> bytes:
+    ref = {"seg": seg.name, "gen": gen, "size": size, "pid": arena.pid, "pooled": pooled}
+    return (b"S" if stream else b"R") + msgpack.packb(ref)
+
+
+def _publish_streaming(
+    arena: ProducerArena, seg: Segment, index_name: str, frame: codec.Frame
+) -> None:
+    size = frame.nbytes
+    steps = frame.iter_pack(memoryview(seg.mm)[DATA_OFFSET : DATA_OFFSET + size])
+    gen = seg.state()[1] + 1
+    published = False
+    try:
+        head = next(steps)
+        seg.set_progress(head)
+        seg.set_state(STREAMING, gen)  # readers check the generation, so it goes last
+        _write_index(index_name, _ref_entry(arena, seg, gen, size, True, True))
+        published = True
+        for done in steps:
+            seg.set_progress(done)
+    except BaseException:
+        if published:
+            arena.finish_stream(seg, ABORTED, gen)  # a reader that claimed it frees it
+        else:
+            arena.release_unpublished(seg, True)
+        raise
+    arena.finish_stream(seg, PUBLISHED, gen)
 
 
 def _write_index(name: str, content: bytes) -> None:
@@ -199,7 +282,7 @@ def _write_index(name: str, content: bytes) -> None:
     fd = _create_file(tmp, 0)
     try:
         os.write(fd, content)
-        os.rename(_path(tmp), _path(name))
+        os.rename(path(tmp), path(name))
     except BaseException:
         unlink_quiet(tmp)
         raise
@@ -211,114 +294,30 @@ def claim_index(name: str) -> bytes | None:
     """Atomically take the index entry ``name``; None when absent."""
     claimed = f"{name}.claim{os.getpid()}_{uuid.uuid4().hex[:12]}"
     try:
-        os.rename(_path(name), _path(claimed))
+        os.rename(path(name), path(claimed))
     except FileNotFoundError:
         return None
     try:
-        with open(_path(claimed), "rb") as f:
+        with open(path(claimed), "rb") as f:
             return f.read()
     finally:
         unlink_quiet(claimed)
 
 
-class ConsumerMaps:
-    """Mappings of producer segments a consumer has read from, cached by name."""
-
-    def __init__(self, max_maps: int = 64) -> None:
-        self._maps: OrderedDict[str, mmap.mmap] = OrderedDict()
-        self._lock = threading.Lock()
-        self.max_maps = max_maps
-
-    def get(self, name: str) -> mmap.mmap:
-        with self._lock:
-            mm = self._maps.get(name)
-            if mm is not None:
-                self._maps.move_to_end(name)
-                return mm
-        fd = os.open(_path(name), os.O_RDWR)
-        try:
-            mm = mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED | _POPULATE)
-        finally:
-            os.close(fd)
-        with self._lock:
-            self._maps[name] = mm
-            while len(self._maps) > self.max_maps:
-                _n, old = self._maps.popitem(last=False)
-                _close_map(old)
-        return mm
-
-    def drop(self, name: str) -> None:
-        with self._lock:
-            mm = self._maps.pop(name, None)
-        if mm is not None:
-            _close_map(mm)
-
-    def close(self) -> None:
-        with self._lock:
-            maps, self._maps = list(self._maps.values()), OrderedDict()
-        for mm in maps:
-            _close_map(mm)
-
-
-def read_entry(entry: bytes, maps: ConsumerMaps, verify: bool = True) -> tuple[Any, int]:
-    """Decode a claimed index entry; tensors are views of the producer's segment."""
-    tag, body = entry[:1], entry[1:]
-    if tag == b"I":
-        return codec.decode(body, verify=verify), len(body)
-    if tag != b"R":
-        raise KVPayloadError(f"corrupt shared-memory index entry (tag {tag!r})")
-    try:
-        ref = msgpack.unpackb(body)
-        seg_name, gen, size, pooled = ref["seg"], ref["gen"], ref["size"], ref["pooled"]
-    except Exception as e:
-        raise KVPayloadError(f"corrupt shared-memory index entry: {e}") from None
-    if not (isinstance(seg_name, str) and seg_name.startswith(SEG_PREFIX)):
-        raise KVPayloadError(f"shared-memory index points outside the arena: {seg_name!r}")
-    try:
-        mm = maps.get(seg_name)
-    except FileNotFoundError:
-        raise KVTransferError(
-            f"segment {seg_name} vanished before it was read (its producer exited or was killed)"
-        ) from None
-    seg = Segment(seg_name, len(mm) - DATA_OFFSET, mm)
-    state, seg_gen = seg.state()
-    if seg_gen != gen or state not in (PUBLISHED, ONESHOT) or size > seg.capacity:
-        _give_back(seg, pooled, maps)
-        raise KVPayloadError(
-            f"segment {seg_name} does not hold the indexed payload (generation {seg_gen}, "
-            f"expected {gen}): it was overwritten or the producer restarted"
-        )
-    window = np.frombuffer(mm, dtype=np.uint8, count=size, offset=DATA_OFFSET)
-    try:
-        obj = codec.decode(window, verify=verify)
-    except BaseException:
-        del window
-        _give_back(seg, pooled, maps)
-        raise
-    # When the last view into `window` is gone, hand the segment back to its producer.
-    weakref.finalize(window, _give_back, seg, pooled, maps)
-    return obj, size
-
-
-def _give_back(seg: Segment, pooled: bool, maps: ConsumerMaps) -> None:
-    try:
-        if pooled:
-            seg.set_state(FREE, seg.state()[1])
-        else:
-            maps.drop(seg.name)
-            unlink_quiet(seg.name)
-    except (ValueError, OSError):  # mapping already closed at interpreter exit
-        pass
-
-
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """True while process ``pid`` exists and is not a zombie (exited, not yet reaped)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state not in (b"Z", b"X")
 
 
 def _owner_pid(name: str) -> int | None:
@@ -328,9 +327,9 @@ def _owner_pid(name: str) -> int | None:
         if ".claim" in name:
             return int(name.split(".claim", 1)[1].split("_", 1)[0])
         if name.startswith(IDX_PREFIX) and ".tmp" not in name:
-            with open(_path(name), "rb") as f:
+            with open(path(name), "rb") as f:
                 entry = f.read()
-            if entry[:1] == b"R":
+            if entry[:1] in (b"R", b"S"):
                 return int(msgpack.unpackb(entry[1:])["pid"])
     except (ValueError, KeyError, OSError, TypeError, msgpack.UnpackException):
         return None
@@ -348,7 +347,7 @@ def sweep_orphans() -> list[str]:
         if not name.startswith(PREFIX):
             continue
         pid = _owner_pid(name)
-        if pid is not None and pid != os.getpid() and not _pid_alive(pid):
+        if pid is not None and pid != os.getpid() and not pid_alive(pid):
             if unlink_quiet(name):
                 removed.append(name)
     return removed

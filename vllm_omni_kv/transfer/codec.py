@@ -35,11 +35,13 @@ import torch
 import xxhash
 
 from vllm_omni_kv.errors import KVPayloadError
+from vllm_omni_kv.transfer.frame_tables import check_blob_table, check_tensor_table
 
 MAGIC = b"OMKV"
 VERSION = 1
 PRELUDE = struct.Struct("<4sHBBIQQ")
 PRELUDE_SIZE = 32
+CHECKSUM_OFFSET = 20  # the prelude's checksum field
 ALIGN = 64
 CHECKSUM_NONE = 0
 CHECKSUM_XXH3 = 1
@@ -48,7 +50,8 @@ EXT_BLOB = 2
 #: byte strings at least this long travel as raw blobs instead of inside the header
 BLOB_MIN = 1024
 MAX_HEADER = 64 << 20
-MAX_NDIM = 8
+#: packing copies and checksums this many bytes at a time, so each step is hashed while in cache
+PACK_STEP = 256 << 10
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -167,6 +170,18 @@ class Frame:
 
     def pack_into(self, buf: Any, *, checksum: bool = True) -> int:
         """Write the frame into a writable host buffer (bytearray, mmap, ...); return its size."""
+        for _ in self.iter_pack(buf, checksum=checksum):
+            pass
+        return self.nbytes
+
+    def iter_pack(self, buf: Any, *, checksum: bool = True) -> Iterator[int]:
+        """Write the frame step by step, yielding how many leading bytes are final.
+
+        The first value is ``data_start`` (prelude and header written, the prelude's
+        checksum still 0); then one value per copied step of at most ``PACK_STEP``
+        bytes; the last is ``nbytes``, yielded after the checksum is in place. A
+        reader that follows these values may use each step as soon as it is yielded.
+        """
         mv = memoryview(buf).cast("B")
         if mv.readonly:
             raise KVPayloadError("pack_into needs a writable buffer")
@@ -174,49 +189,39 @@ class Frame:
             raise KVPayloadError(
                 f"buffer of {mv.nbytes} bytes cannot hold a {self.nbytes}-byte frame"
             )
+        alg = CHECKSUM_XXH3 if checksum else CHECKSUM_NONE
+        self._write_prelude(mv, alg, 0)
         h_end = PRELUDE_SIZE + len(self.header)
         mv[PRELUDE_SIZE:h_end] = self.header
         mv[h_end : self.data_start] = bytes(self.data_start - h_end)
-        # Hash each span right after writing it, while it is still in cache.
+        # Hash each step right after writing it, while it is still in cache.
         hasher = xxhash.xxh3_64() if checksum else None
         hashed = PRELUDE_SIZE
+        yield self.data_start
         base = self.data_start
         spans: list[tuple[int, int, Any]] = [
             (off, nbytes, t) for t, (_d, _s, off, nbytes) in zip(self.tensors, self.tensor_table)
         ]
         spans += [(off, nbytes, b) for b, (off, nbytes) in zip(self.blobs, self.blob_table)]
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            for i, (off, nbytes, src) in enumerate(spans):
-                end = spans[i + 1][0] if i + 1 < len(spans) else self.data_len
-                if nbytes:
-                    if isinstance(src, memoryview):
-                        mv[base + off : base + off + nbytes] = src
-                    elif isinstance(src, LazyTensor) and hasher is not None:
-                        dst = torch.frombuffer(
-                            mv, dtype=torch.uint8, count=nbytes, offset=base + off
-                        )
-                        steps = src.fill(dst.view(src.dtype).view(self._shape(src)))
-                        del dst
-                        for done in _progress(steps):
-                            hasher.update(mv[hashed : base + off + done])
-                            hashed = base + off + done
-                    else:
-                        dst = torch.frombuffer(
-                            mv, dtype=torch.uint8, count=nbytes, offset=base + off
-                        )
-                        _fill(src, dst.view(src.dtype).view(self._shape(src)))
-                        del dst
-                if end > off + nbytes:
-                    mv[base + off + nbytes : base + end] = bytes(end - off - nbytes)
+        for i, (off, nbytes, src) in enumerate(spans):
+            end = base + (spans[i + 1][0] if i + 1 < len(spans) else self.data_len)
+            if nbytes:
+                for done in _write_span(mv, base + off, nbytes, src):
+                    if hasher is not None:
+                        hasher.update(mv[hashed:done])
+                    hashed = done
+                    yield done
+            if end > hashed:
+                mv[base + off + nbytes : end] = bytes(end - base - off - nbytes)
                 if hasher is not None:
-                    hasher.update(mv[hashed : base + end])
-                    hashed = base + end
-        if hasher is not None and hashed < self.nbytes:
-            hasher.update(mv[hashed : self.nbytes])
-        digest = hasher.intdigest() if hasher is not None else 0
-        self._write_prelude(mv, CHECKSUM_XXH3 if checksum else CHECKSUM_NONE, digest)
-        return self.nbytes
+                    hasher.update(mv[hashed:end])
+                hashed = end
+        if hasher is not None:
+            if hashed < self.nbytes:
+                hasher.update(mv[hashed : self.nbytes])
+            # only the checksum field: a reader may be parsing the rest of the prelude
+            struct.pack_into("<Q", mv, CHECKSUM_OFFSET, hasher.intdigest())
+        yield self.nbytes
 
     @staticmethod
     def _shape(t: TensorLike) -> tuple[int, ...]:
@@ -263,19 +268,53 @@ def _progress(result: Any) -> Iterator[int]:
     return result if isinstance(result, Iterator) else iter(())
 
 
-def _fill(src: TensorLike, dst: torch.Tensor) -> None:
-    if isinstance(src, LazyTensor):
-        for _ in _progress(src.fill(dst)):
-            pass
-    elif (
+def _memmove_ok(src: torch.Tensor, dst: torch.Tensor) -> bool:
+    return (
         src.device.type == "cpu"
         and dst.device.type == "cpu"
         and src.is_contiguous()
         and dst.is_contiguous()
         and src.dtype == dst.dtype
-    ):
-        # A plain memmove: torch's copy_ goes through its intra-op thread pool, which
-        # costs milliseconds per call on a busy host for no gain on a contiguous copy.
+    )
+
+
+def _write_span(mv: memoryview, start: int, nbytes: int, src: Any) -> Iterator[int]:
+    """Copy ``src`` to ``mv[start:start + nbytes]``, yielding the end of each finished step."""
+    if isinstance(src, memoryview):
+        for pos in range(0, nbytes, PACK_STEP):
+            n = min(PACK_STEP, nbytes - pos)
+            mv[start + pos : start + pos + n] = src[pos : pos + n]
+            yield start + pos + n
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        u8 = torch.frombuffer(mv, dtype=torch.uint8, count=nbytes, offset=start)
+    dst = u8.view(src.dtype).view(tuple(src.shape))
+    if isinstance(src, LazyTensor):
+        last = 0
+        for done in _progress(src.fill(dst)):
+            last = done
+            yield start + done
+        if last < nbytes:
+            yield start + nbytes
+    elif _memmove_ok(src, dst):
+        # Plain memmoves: torch's copy_ goes through its intra-op thread pool, which costs
+        # milliseconds per call on a busy host for no gain on a contiguous copy.
+        s, d = src.data_ptr(), dst.data_ptr()
+        for pos in range(0, nbytes, PACK_STEP):
+            n = min(PACK_STEP, nbytes - pos)
+            ctypes.memmove(d + pos, s + pos, n)
+            yield start + pos + n
+    else:
+        dst.copy_(src)
+        yield start + nbytes
+
+
+def _fill(src: TensorLike, dst: torch.Tensor) -> None:
+    if isinstance(src, LazyTensor):
+        for _ in _progress(src.fill(dst)):
+            pass
+    elif _memmove_ok(src, dst):
         ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size())
     else:
         dst.copy_(src)
@@ -382,8 +421,8 @@ def _parse(
         raise KVPayloadError(f"frame header is not valid msgpack: {e}") from None
     if not isinstance(header, dict) or not {"t", "b", "v"} <= set(header):
         raise KVPayloadError("frame header lacks its 't', 'b' and 'v' fields")
-    tensors = _check_tensor_table(header["t"], data_len)
-    blobs = _check_blob_table(header["b"], data_len)
+    tensors = check_tensor_table(header["t"], data_len, DTYPES)
+    blobs = check_blob_table(header["b"], data_len)
     spans = sorted(
         [(off, nb) for _d, _s, off, nb in tensors if nb] + [(off, nb) for off, nb in blobs if nb]
     )
@@ -391,63 +430,6 @@ def _parse(
         if b_off < a_off + a_nb:
             raise KVPayloadError(f"overlapping data spans at offsets {a_off} and {b_off}")
     return _Parsed(header["v"], tensors, blobs, align_up(PRELUDE_SIZE + header_len), total)
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _check_tensor_table(table: Any, data_len: int) -> list[tuple[torch.dtype, list[int], int, int]]:
-    if not isinstance(table, list):
-        raise KVPayloadError("frame tensor table must be a list")
-    out = []
-    for i, entry in enumerate(table):
-        if not (isinstance(entry, list) and len(entry) == 4):
-            raise KVPayloadError(f"tensor #{i}: descriptor must be [dtype, shape, offset, nbytes]")
-        name, shape, off, nbytes = entry
-        dtype = DTYPES.get(name) if isinstance(name, str) else None
-        if dtype is None:
-            raise KVPayloadError(f"tensor #{i}: unsupported dtype {name!r}")
-        if (
-            not isinstance(shape, list)
-            or len(shape) > MAX_NDIM
-            or not all(_is_int(d) and d >= 0 for d in shape)
-        ):
-            raise KVPayloadError(f"tensor #{i}: bad shape {shape!r}")
-        if not (_is_int(off) and _is_int(nbytes)) or off < 0 or nbytes < 0:
-            raise KVPayloadError(f"tensor #{i}: bad offset/nbytes {off!r}/{nbytes!r}")
-        itemsize = _itemsize(dtype)
-        if math.prod(shape) * itemsize != nbytes:
-            raise KVPayloadError(
-                f"tensor #{i}: shape {shape} of {name} needs {math.prod(shape) * itemsize} "
-                f"bytes, descriptor says {nbytes}"
-            )
-        if off % itemsize:
-            raise KVPayloadError(f"tensor #{i}: offset {off} is not aligned to {itemsize} bytes")
-        if off + nbytes > data_len:
-            raise KVPayloadError(
-                f"tensor #{i}: span [{off}, {off + nbytes}) is out of the {data_len}-byte data region"
-            )
-        out.append((dtype, shape, off, nbytes))
-    return out
-
-
-def _check_blob_table(table: Any, data_len: int) -> list[tuple[int, int]]:
-    if not isinstance(table, list):
-        raise KVPayloadError("frame blob table must be a list")
-    out = []
-    for i, entry in enumerate(table):
-        if not (
-            isinstance(entry, list)
-            and len(entry) == 2
-            and all(_is_int(x) and x >= 0 for x in entry)
-        ):
-            raise KVPayloadError(f"blob #{i}: descriptor must be [offset, nbytes]")
-        off, nbytes = entry
-        if off + nbytes > data_len:
-            raise KVPayloadError(f"blob #{i}: span out of the {data_len}-byte data region")
-        out.append((off, nbytes))
-    return out
 
 
 def _resolve(tree: Any, tensors: Sequence[Any], blobs: Sequence[Any]) -> Any:

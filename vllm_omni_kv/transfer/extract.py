@@ -18,6 +18,7 @@ from vllm_omni_kv.transfer.blocks import gather_request_kv, request_kv_shape, sc
 from vllm_omni_kv.transfer.codec import LazyTensor
 from vllm_omni_kv.transfer.kv_utils import LayerKV, normalize_layer_kv
 from vllm_omni_kv.transfer.payload import KVCacheTransferData
+from vllm_omni_kv.transfer.stream import PayloadStream
 
 logger = init_logger(__name__)
 
@@ -77,6 +78,17 @@ def extract_request_kv(
     return KVCacheTransferData(request_id, {KEY: keys, VALUE: values}, ids, meta)
 
 
+def _kv_lists(data: dict[str, Any], n_layers: int) -> tuple[list[Any], list[Any]]:
+    """The payload's per-layer key and value lists, checked against the local layer count."""
+    blocks = data.get("layer_blocks", {})
+    keys, values = blocks.get(KEY), blocks.get(VALUE)
+    if not isinstance(keys, list) or not isinstance(values, list):
+        raise KVPayloadError("payload layer_blocks lacks key_cache/value_cache lists")
+    if len(keys) != n_layers or len(values) != n_layers:
+        raise KVPayloadError(f"payload has {len(keys)} layers, the local model has {n_layers}")
+    return keys, values
+
+
 def inject_request_kv(
     data: dict[str, Any],
     kv_caches: Sequence[LayerKV | None],
@@ -90,14 +102,7 @@ def inject_request_kv(
     Raises ``KVPayloadError`` when the payload does not fit the local cache
     (layer count, heads, head size, dtype or token count).
     """
-    blocks = data.get("layer_blocks", {})
-    keys, values = blocks.get(KEY), blocks.get(VALUE)
-    if not isinstance(keys, list) or not isinstance(values, list):
-        raise KVPayloadError("payload layer_blocks lacks key_cache/value_cache lists")
-    if len(keys) != len(kv_caches) or len(values) != len(kv_caches):
-        raise KVPayloadError(
-            f"payload has {len(keys)} layers, the local model has {len(kv_caches)}"
-        )
+    keys, values = _kv_lists(data, len(kv_caches))
     ids_t = torch.tensor([int(b) for b in block_ids], dtype=torch.long)
     written = -1
     for idx, layer in enumerate(kv_caches):
@@ -124,4 +129,36 @@ def inject_request_kv(
                 src = src.to(dst_blocks.device)
             scatter_request_kv(dst_blocks, ids_t, src[:n])
         written = n
+    return max(written, 0)
+
+
+def inject_streamed_kv(
+    stream: PayloadStream,
+    kv_caches: Sequence[LayerKV | None],
+    block_ids: Sequence[int],
+    deadline: float,
+    *,
+    layout: str | None = None,
+) -> int:
+    """Like :func:`inject_request_kv` for a payload still arriving: each layer is
+    written once its K and V bytes are final. The checksum is compared after the
+    last layer; on any error the blocks may hold part of the payload."""
+    keys, values = _kv_lists(stream.obj, len(kv_caches))
+
+    def end(t: Any) -> int:
+        if stream.frame_address is None or not isinstance(t, torch.Tensor):
+            return 0
+        return t.data_ptr() + t.numel() * t.element_size() - stream.frame_address
+
+    order = sorted(
+        (max(end(keys[i]), end(values[i])), i) for i, c in enumerate(kv_caches) if c is not None
+    )
+    written, done = -1, 0
+    for ready in stream.ready(deadline):
+        while done < len(order) and order[done][0] <= ready:
+            i = order[done][1]
+            one = {"layer_blocks": {KEY: [keys[i]], VALUE: [values[i]]}}
+            n = inject_request_kv(one, [kv_caches[i]], block_ids, layout=layout)
+            written = n if written < 0 else min(written, n)
+            done += 1
     return max(written, 0)

@@ -8,6 +8,7 @@ from typing import Any
 from vllm_omni_kv.errors import ConfigError
 
 #: payloads above this many bytes travel as layer-wise parts (see ``transfer.parts``)
+#: over backends that cannot stream a frame while it is being written
 DEFAULT_MAX_PART_BYTES = 8 << 20
 
 
@@ -19,7 +20,10 @@ class OmniKVCacheConfig:
     default it comes from vLLM's TP group (0 outside vLLM). ``send_retries``
     and ``retry_backoff`` bound the send retry loop. ``max_part_bytes`` splits
     larger payloads into layer-wise parts that a waiting receiver consumes
-    while later parts are still being packed (0: one frame per payload).
+    while later parts are still being packed (0: one frame per payload; None,
+    the default: one frame over a streaming backend such as shared memory,
+    whose receivers already overlap with the sender byte by byte, else
+    ``DEFAULT_MAX_PART_BYTES``).
     ``poll_interval`` caps the receive-side polling backoff (seconds).
     """
 
@@ -36,7 +40,7 @@ class OmniKVCacheConfig:
     local_rank: int | None = None
     send_retries: int = 3
     retry_backoff: float = 0.05
-    max_part_bytes: int = DEFAULT_MAX_PART_BYTES
+    max_part_bytes: int | None = None
     poll_interval: float = 0.02
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -47,9 +51,14 @@ class OmniKVCacheConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"rank_mapping.{name} must be an int >= 1, got {value!r}")
-        if not isinstance(self.max_part_bytes, int) or self.max_part_bytes < 0:
+        if self.max_part_bytes is not None and (
+            not isinstance(self.max_part_bytes, int)
+            or isinstance(self.max_part_bytes, bool)
+            or self.max_part_bytes < 0
+        ):
             raise ConfigError(
-                f"max_part_bytes must be an int >= 0 (0 disables parts), got {self.max_part_bytes!r}"
+                "max_part_bytes must be an int >= 0 (0 disables parts) or null (automatic), "
+                f"got {self.max_part_bytes!r}"
             )
         if not isinstance(self.poll_interval, (int, float)) or not 0 < self.poll_interval <= 1:
             raise ConfigError(
@@ -81,10 +90,21 @@ def config_from_omni_kv(kv: Any, stage_id: Any = None) -> OmniKVCacheConfig:
         from_tp=int(field_of(rank_mapping, "from_tp", 1)),
         to_tp=int(field_of(rank_mapping, "to_tp", 1)),
         local_rank=field_of(kv, "local_rank"),
-        max_part_bytes=int(field_of(kv, "max_part_bytes", DEFAULT_MAX_PART_BYTES)),
+        max_part_bytes=_opt_int(field_of(kv, "max_part_bytes")),
         poll_interval=float(field_of(kv, "poll_interval", 0.02)),
     )
 
 
 def _opt_str(v: Any) -> str | None:
     return None if v is None else str(v)
+
+
+def _opt_int(v: Any) -> int | None:
+    if v is None:
+        return None
+    if isinstance(v, bool):
+        raise ConfigError(f"max_part_bytes must be an int or null, got {v!r}")
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        raise ConfigError(f"max_part_bytes must be an int or null, got {v!r}") from None

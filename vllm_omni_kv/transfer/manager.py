@@ -19,7 +19,12 @@ from vllm_omni_kv.logger import init_logger
 from vllm_omni_kv.transfer import distributed
 from vllm_omni_kv.transfer.config import ConnectorSpec
 from vllm_omni_kv.transfer.extract import extract_request_kv
-from vllm_omni_kv.transfer.kv_config import OmniKVCacheConfig, config_from_omni_kv, field_of
+from vllm_omni_kv.transfer.kv_config import (
+    DEFAULT_MAX_PART_BYTES,
+    OmniKVCacheConfig,
+    config_from_omni_kv,
+    field_of,
+)
 from vllm_omni_kv.transfer.kv_utils import (
     KVTPTopology,
     LayerKV,
@@ -180,7 +185,8 @@ class OmniKVTransferManager(KVReceiver):
         """Send ``data`` to every target rank's key, retrying with backoff; True when all succeeded.
 
         Payloads above ``max_part_bytes`` go out as layer-wise parts (see
-        :mod:`vllm_omni_kv.transfer.parts`).
+        :mod:`vllm_omni_kv.transfer.parts`; by default only over backends that
+        cannot stream).
         """
         from_stage, to_stage = self.send_stages
         if from_stage is None or to_stage is None:
@@ -193,7 +199,10 @@ class OmniKVTransferManager(KVReceiver):
         def put(key: str, part: Any) -> bool:
             return self._put_with_retry(conn, from_stage, to_stage, key, part)
 
-        return all(send_parts(put, k, data, self.config.max_part_bytes) for k in keys)
+        limit = self.config.max_part_bytes
+        if limit is None:
+            limit = 0 if conn.supports_streaming else DEFAULT_MAX_PART_BYTES
+        return all(send_parts(put, k, data, limit) for k in keys)
 
     def _put_with_retry(
         self, conn: OmniConnectorBase, from_stage: str, to_stage: str, key: str, data: Any

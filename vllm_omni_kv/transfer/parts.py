@@ -15,7 +15,7 @@ unchanged (no part fields), so receivers of either kind interoperate.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -24,6 +24,7 @@ from vllm_omni_kv.transfer.codec import LazyTensor
 from vllm_omni_kv.transfer.payload import KVCacheTransferData
 
 PART_INDEX, NUM_PARTS, LAYER_START = "part_index", "num_parts", "layer_start"
+T = TypeVar("T")
 #: parts per payload are bounded so a corrupt header cannot make a receiver wait forever
 MAX_PARTS = 4096
 
@@ -157,27 +158,39 @@ def send_parts(put: Callable[[str, Any], bool], key: str, data: Any, max_part_by
 
 
 def iter_parts(
-    poll: Callable[[str, bool], tuple[Any, int] | None], key: str
-) -> Iterator[tuple[dict[str, Any], int]]:
+    poll: Callable[[str, bool], tuple[T, int] | None],
+    key: str,
+    *,
+    obj_of: Callable[[T], dict[str, Any]] = lambda item: item,  # type: ignore[assignment,return-value]
+    discard: Callable[[T], None] = lambda item: None,
+) -> Iterator[tuple[T, int]]:
     """Yield ``(part, size)`` for the payload under ``key`` as each part arrives.
 
-    ``poll(key, first)`` returns ``(obj, size)`` or None once its deadline has
-    passed. Yields nothing when part 0 never arrives; raises
-    ``KVTransferTimeout`` when a later part is missing (the sender stalled or
-    died mid-payload) and ``KVPayloadError`` for parts that do not fit together.
+    ``poll(key, first)`` returns ``(part, size)`` or None once its deadline has
+    passed; ``obj_of(part)`` is the part's payload dict (parts may be streams),
+    and ``discard(part)`` releases a part that fails its checks. Yields nothing
+    when part 0 never arrives; raises ``KVTransferTimeout`` when a later part is
+    missing (the sender stalled or died mid-payload) and ``KVPayloadError`` for
+    parts that do not fit together.
     """
     got = poll(key, True)
     if got is None:
         return
     first, size = got
-    info = part_info(first)
-    if info is not None and info[0] != 0:
-        raise KVPayloadError(f"key {key!r} holds part {info[0]} instead of part 0")
+    try:
+        head = obj_of(first)
+        info = part_info(head)
+        if info is not None and info[0] != 0:
+            raise KVPayloadError(f"key {key!r} holds part {info[0]} instead of part 0")
+        request_id = head.get("request_id")
+        layer = 0 if info is None else info[2] + part_layer_count(head)
+    except BaseException:
+        discard(first)
+        raise
     yield first, size
     if info is None:
         return
     num = info[1]
-    layer = info[2] + part_layer_count(first)
     for i in range(1, num):
         got = poll(part_key(key, i), False)
         if got is None:
@@ -186,5 +199,9 @@ def iter_parts(
                 "(the sender stalled or exited mid-payload)"
             )
         part, size = got
-        layer = _check_part(part, i, num, first.get("request_id"), layer, f"{key!r}: ")
+        try:
+            layer = _check_part(obj_of(part), i, num, request_id, layer, f"{key!r}: ")
+        except BaseException:
+            discard(part)
+            raise
         yield part, size

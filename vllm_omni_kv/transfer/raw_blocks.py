@@ -17,16 +17,18 @@ connector writes it, a per-layer ``layouts`` list), ``block_size`` and ``num_tok
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Iterator, Sequence
+import functools
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 from vllm_omni_kv.errors import ConfigError, KVPayloadError
 from vllm_omni_kv.transfer.blocks import gather_request_kv
-from vllm_omni_kv.transfer.codec import LazyTensor
+from vllm_omni_kv.transfer.codec import PACK_STEP, LazyTensor
 from vllm_omni_kv.transfer.kv_utils import detect_kv_layout, normalize_layer_kv
 from vllm_omni_kv.transfer.payload import KVCacheTransferData
+from vllm_omni_kv.transfer.stream import PayloadStream
 
 BLOCK_DIM = {"cpu": 0, "flashinfer": 0, "flash": 1}
 FORMAT_BLOCKS = "raw_blocks"
@@ -42,7 +44,7 @@ def _block_dim(layout: str) -> int:
 
 
 #: gathers report progress about this often, so the packer hashes bytes still in cache
-STEP_BYTES = 256 << 10
+STEP_BYTES = PACK_STEP
 
 
 def _memmove_ok(cache: torch.Tensor, other: torch.Tensor, dim: int) -> bool:
@@ -86,11 +88,16 @@ def iter_gather_blocks(
         per = cache[0].numel() * cache.element_size()
         step = max(1, STEP_BYTES // per)
         base, dst = cache.data_ptr(), out.data_ptr()
+        reported = 0
         for off, first, n in block_runs(ids):
             for j in range(0, n, step):
                 k = min(step, n - j)
                 ctypes.memmove(dst + (off + j) * per, base + (first + j) * per, k * per)
-                yield (off + j + k) * per
+                if off + j + k - reported >= step:  # report about every STEP_BYTES
+                    reported = off + j + k
+                    yield reported * per
+        if reported < len(ids):
+            yield len(ids) * per
         return
     idx = torch.tensor(list(ids), dtype=torch.long, device=cache.device)
     if out.device == cache.device:
@@ -189,17 +196,18 @@ def _check_block_payload(data: dict[str, Any]) -> tuple[list[Any], str, int, int
     return layers, str(lay), bs, n
 
 
-def inject_request_blocks(
+def plan_block_injection(
     data: dict[str, Any],
     kv_caches: Sequence[torch.Tensor | None],
     block_ids: Sequence[int],
     *,
     layout: str | None = None,
-) -> int:
-    """Write a block-format payload into the consumer's blocks ``block_ids``; return its token count.
+) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor, str, list[int]]]]:
+    """Check a block-format payload against the local cache (header only, no bytes read).
 
-    Raises ``KVPayloadError`` when the payload's layout, dtype or block shape
-    differs from the local cache (then use the token format).
+    Returns its token count and ``(source, cache, layout, local block ids)`` per
+    layer to write. Raises ``KVPayloadError`` when the payload's layout, dtype or
+    block shape differs from the local cache (then use the token format).
     """
     layers, lay, bs, n = _check_block_payload(data)
     if len(layers) != len(kv_caches):
@@ -211,6 +219,7 @@ def inject_request_blocks(
     ids = [int(b) for b in block_ids][:needed]
     if len(ids) < needed:
         raise KVPayloadError(f"{n} tokens need {needed} local blocks, {len(block_ids)} given")
+    plan = []
     for i, (src, cache) in enumerate(zip(layers, kv_caches, strict=True)):
         if cache is None:
             continue
@@ -224,8 +233,86 @@ def inject_request_blocks(
                 f"layer {i}: payload blocks {lay} {tuple(src.shape)} {src.dtype} do not fit the local "
                 f"cache {local} {tuple(want)} {cache.dtype} (same backend, dtype, block size and TP?)"
             )
+        plan.append((src, cache, lay, ids))
+    return n, plan
+
+
+def inject_request_blocks(
+    data: dict[str, Any],
+    kv_caches: Sequence[torch.Tensor | None],
+    block_ids: Sequence[int],
+    *,
+    layout: str | None = None,
+) -> int:
+    """Write a block-format payload into the consumer's blocks ``block_ids``; return its token count.
+
+    Raises ``KVPayloadError`` when the payload does not fit the local cache (see
+    :func:`plan_block_injection`).
+    """
+    n, plan = plan_block_injection(data, kv_caches, block_ids, layout=layout)
+    for src, cache, lay, ids in plan:
         scatter_blocks(cache, lay, ids, src)
     return n
+
+
+def inject_streamed_blocks(
+    stream: PayloadStream,
+    kv_caches: Sequence[torch.Tensor | None],
+    block_ids: Sequence[int],
+    deadline: float,
+    *,
+    layout: str | None = None,
+) -> int:
+    """Like :func:`inject_request_blocks` for a payload still arriving: each block is
+    written as soon as its bytes are final. The checksum is compared after the
+    last block; on any error the blocks may hold part of the payload."""
+    n, plan = plan_block_injection(stream.obj, kv_caches, block_ids, layout=layout)
+    tasks = _scatter_tasks(plan, stream.frame_address)
+    i = 0
+    for ready in stream.ready(deadline):
+        while i < len(tasks) and tasks[i][0] <= ready:
+            _end, dst, src_ptr, nbytes, fallback = tasks[i]
+            if fallback is not None:
+                fallback()
+            else:
+                ctypes.memmove(dst, src_ptr, nbytes)
+            i += 1
+    if i < len(tasks):
+        raise KVPayloadError(f"the stream ended with {len(tasks) - i} blocks not written")
+    return n
+
+
+_Task = tuple[int, int, int, int, Callable[[], None] | None]
+
+
+def _scatter_tasks(
+    plan: list[tuple[torch.Tensor, torch.Tensor, str, list[int]]], frame_address: int | None
+) -> list[_Task]:
+    """``(frame end offset, dst, src, nbytes, fallback)`` per copy, in frame order.
+
+    Runs of consecutive local blocks are merged up to ``STEP_BYTES`` so each copy
+    starts as soon as its bytes are final. Layers that cannot be memmoved are one
+    ``scatter_blocks`` call once the whole layer is final.
+    """
+    tasks: list[_Task] = []
+    for src, cache, lay, ids in plan:
+        start = 0 if frame_address is None else src.data_ptr() - frame_address
+        size = src.numel() * src.element_size()
+        if frame_address is None or not _memmove_ok(cache, src, _block_dim(lay)):
+            tasks.append(
+                (start + size, 0, 0, 0, functools.partial(scatter_blocks, cache, lay, ids, src))
+            )
+            continue
+        per = cache[0].numel() * cache.element_size()
+        limit = max(1, STEP_BYTES // per)
+        base, s = cache.data_ptr(), src.data_ptr()
+        for off, first, n in block_runs(ids):
+            for j in range(0, n, limit):
+                k = min(limit, n - j)
+                end = start + (off + j + k) * per
+                tasks.append((end, base + (first + j) * per, s + (off + j) * per, k * per, None))
+    tasks.sort(key=lambda t: t[0])
+    return tasks
 
 
 def blocks_to_tokens(data: dict[str, Any]) -> dict[str, Any]:

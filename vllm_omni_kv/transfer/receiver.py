@@ -12,7 +12,7 @@ import torch
 from vllm_omni_kv.backends.base import OmniConnectorBase
 from vllm_omni_kv.errors import ConfigError, KVTransferTimeout
 from vllm_omni_kv.logger import init_logger
-from vllm_omni_kv.transfer.extract import inject_request_kv
+from vllm_omni_kv.transfer.extract import inject_streamed_kv
 from vllm_omni_kv.transfer.kv_config import OmniKVCacheConfig
 from vllm_omni_kv.transfer.kv_utils import (
     KVTPTopology,
@@ -25,9 +25,10 @@ from vllm_omni_kv.transfer.kv_utils import (
 from vllm_omni_kv.transfer.parts import LAYER_START, iter_parts, join_parts, part_layer_count
 from vllm_omni_kv.transfer.raw_blocks import (
     blocks_to_tokens,
-    inject_request_blocks,
+    inject_streamed_blocks,
     is_block_payload,
 )
+from vllm_omni_kv.transfer.stream import PayloadStream
 
 logger = init_logger(__name__)
 
@@ -96,12 +97,15 @@ class KVReceiver:
         meta: Any,
         deadline: float,
         max_delay: float | None = None,
+        fetch: Callable[..., Any] | None = None,
     ) -> Any:
-        conn = self.connector
+        """``fetch`` (default: the connector's ``get``) until it returns something or
+        ``deadline`` passes (then None), backing off up to ``max_delay``."""
+        fetch = fetch or self.connector.get
         cap = self.config.poll_interval if max_delay is None else max_delay
         delay = min(0.0002, cap)
         while True:
-            got = conn.get(from_stage, to_stage, key, meta)
+            got = fetch(from_stage, to_stage, key, meta)
             if got is not None:
                 return got
             remaining = deadline - time.monotonic()
@@ -113,16 +117,48 @@ class KVReceiver:
     def _parts(
         self, key: str, from_rank: int | None, deadline: float
     ) -> Iterator[tuple[dict[str, Any], int]]:
-        """The parts under ``key``; later parts are in flight, so they are polled tightly."""
+        """The parts under ``key``, each complete and verified (later parts polled tightly).
+
+        Parts are opened as streams, so a frame still being written is checksummed
+        while it arrives instead of in a second pass; tensors stay zero-copy views.
+        """
         from_stage, to_stage = self.recv_stages
         assert from_stage is not None and to_stage is not None
         meta = self._rank_metadata(from_rank)
+        conn = self.connector
 
-        def poll(k: str, first: bool) -> Any:
+        def poll(k: str, first: bool) -> tuple[dict[str, Any], int] | None:
             cap = self.config.poll_interval if first else min(self.config.poll_interval, 0.001)
-            return self._poll(from_stage, to_stage, k, meta, deadline, max_delay=cap)
+            s = self._poll(
+                from_stage, to_stage, k, meta, deadline, max_delay=cap, fetch=conn.open_stream
+            )
+            if s is None:
+                return None
+            with s:
+                for _ in s.ready(deadline):
+                    pass
+                return s.obj, s.size
 
         return iter_parts(poll, key)
+
+    def _part_streams(
+        self, key: str, from_rank: int | None, deadline: float
+    ) -> Iterator[tuple[PayloadStream, int]]:
+        """The parts under ``key`` as streams; later parts are in flight, so they are
+        polled tightly. Each stream is opened only after the previous one was used."""
+        from_stage, to_stage = self.recv_stages
+        assert from_stage is not None and to_stage is not None
+        meta = self._rank_metadata(from_rank)
+        conn = self.connector
+
+        def poll(k: str, first: bool) -> tuple[PayloadStream, int] | None:
+            cap = self.config.poll_interval if first else min(self.config.poll_interval, 0.001)
+            s = self._poll(
+                from_stage, to_stage, k, meta, deadline, max_delay=cap, fetch=conn.open_stream
+            )
+            return None if s is None else (s, s.size)
+
+        return iter_parts(poll, key, obj_of=lambda s: s.obj, discard=lambda s: s.close())
 
     def _receive_key(
         self, key: str, from_rank: int | None, deadline: float
@@ -193,9 +229,11 @@ class KVReceiver:
         """Receive one request's KV straight into a local paged cache, part by part.
 
         Each layer-wise part is verified and written into blocks ``block_ids`` as
-        soon as it arrives, while the sender packs the next one. Returns
-        ``(tokens, bytes)``, or None on timeout (then blocks may hold a partial
-        payload: do not use them). Needs a homogeneous TP topology (one source
+        soon as it arrives, while the sender packs the next one; with a streaming
+        backend (shared memory) block-format payloads are written block by block
+        while the sender is still packing them. Returns ``(tokens, bytes)``, or
+        None on timeout; then, and after any exception, the blocks may hold a
+        partial payload: do not use them. Needs a homogeneous TP topology (one source
         key); use :meth:`receive_kv_cache_for_request` to merge/slice shards.
         """
         from_stage, to_stage = self.recv_stages
@@ -214,17 +252,22 @@ class KVReceiver:
         deadline = time.monotonic() + float(self.config.recv_timeout)
         tokens, total, seen = -1, 0, False
         try:
-            for part, size in self._parts(key, from_rank, deadline):
+            for stream, size in self._part_streams(key, from_rank, deadline):
                 seen = True
-                start = int((part.get("metadata") or {}).get(LAYER_START, 0))
-                local = kv_caches[start : start + part_layer_count(part)]
-                if is_block_payload(part):
-                    n = inject_request_blocks(part, cast(Any, local), block_ids, layout=layout)
-                else:
-                    n = inject_request_kv(part, local, block_ids, layout=layout)
+                with stream:
+                    part = stream.obj
+                    start = int((part.get("metadata") or {}).get(LAYER_START, 0))
+                    local = kv_caches[start : start + part_layer_count(part)]
+                    if is_block_payload(part):
+                        del part
+                        n = inject_streamed_blocks(
+                            stream, cast(Any, local), block_ids, deadline, layout=layout
+                        )
+                    else:
+                        del part
+                        n = inject_streamed_kv(stream, local, block_ids, deadline, layout=layout)
                 tokens = n if tokens < 0 else min(tokens, n)
                 total += size
-                del part
         except KVTransferTimeout as e:
             logger.warning("incomplete KV for request %s: %s", request_id, e)
             return None
