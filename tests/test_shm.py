@@ -93,6 +93,15 @@ def test_views_point_into_shared_memory_and_segment_is_recycled(ns):
         assert conn.health()["arena_bytes"] == arena_bytes
 
 
+def test_segments_are_prefaulted_where_the_os_can():
+    """Arena segments and readers' mappings ask for MAP_POPULATE (no page faults on the data path)."""
+    import mmap
+
+    assert shm_arena.POPULATE == getattr(mmap, "MAP_POPULATE", 0)
+    if hasattr(mmap, "MAP_POPULATE"):
+        assert shm_arena.POPULATE != 0
+
+
 def test_segments_are_owner_only(ns):
     with SharedMemoryConnector({"namespace": ns}) as conn:
         conn.put("0", "1", "k", _payload())

@@ -20,9 +20,10 @@ consumer caches its mappings of them. Files in ``/dev/shm``:
 
 The consumer (:mod:`vllm_omni_kv.backends.shm_reader`) returns a segment to its
 producer (state FREE) when the last tensor view of the decoded object is garbage
-collected (for a stream: once it is also closed). A streaming reader that gives up before the producer finished writes
-the generation into ``abandoned`` instead, and the producer frees the segment:
-each field has a single writer at any time, so no atomic operations are needed.
+collected (for a stream: once it is also closed). A streaming reader that gives
+up before the producer finished writes the generation into ``abandoned``
+instead, and the producer frees the segment: each field has a single writer at
+any time, so no atomic operations are needed.
 Files of dead processes are swept by :func:`sweep_orphans`.
 """
 
@@ -46,7 +47,7 @@ IDX_PREFIX = PREFIX + "idx_"
 SLOT_WORDS = 4  # state, generation, progress, abandoned: u64 each
 DATA_OFFSET = 64
 FREE, PUBLISHED, ONESHOT, STREAMING, ABORTED = 0, 1, 2, 3, 4
-POPULATE = getattr(mmap, "MAPPOPULATE", 0)
+POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 def size_class(n: int) -> int:

@@ -119,7 +119,7 @@ def map_segment(ref: Ref, maps: ConsumerMaps) -> arena.Segment:
         ) from None
     seg = arena.Segment(ref.seg, len(mm) - arena.DATA_OFFSET, mm)
     state, seg_gen = seg.state()
-    if seg_gen != ref.gen or state in (arena.FREE,) or ref.size > seg.capacity:
+    if seg_gen != ref.gen or state == arena.FREE or ref.size > seg.capacity:
         raise KVPayloadError(
             f"segment {ref.seg} does not hold the indexed payload (generation {seg_gen}, "
             f"expected {ref.gen}): it was overwritten or the producer restarted"
@@ -161,16 +161,20 @@ def read_entry(entry: bytes, maps: ConsumerMaps, verify: bool = True) -> tuple[A
         obj = codec.decode(window, verify=verify)
     except BaseException:
         del window
-        give_back(seg, ref.pooled, maps)
+        release_claimed(seg, ref, maps)
         raise
     # When the last view into `window` is gone, hand the segment back to its producer.
     weakref.finalize(window, release_claimed, seg, ref, maps)
     return obj, ref.size
 
 
-def release_claimed(seg: arena.Segment, ref: Ref, maps: ConsumerMaps) -> None:
+def release_claimed(
+    seg: arena.Segment, ref: Ref, maps: ConsumerMaps, dead: list[bool] | None = None
+) -> None:
     """Hand a claimed segment back: free it when its producer is done, else abandon it.
 
+    ``dead[0]`` true (a stream saw its writer exit) always abandons: a writer that
+    only looked dead frees it itself, and sweeping removes a dead one's files.
     Leaves it alone once it no longer holds ``ref``'s generation in a claimed
     state (someone else released it, or its producer reserved it again).
     """
@@ -178,15 +182,15 @@ def release_claimed(seg: arena.Segment, ref: Ref, maps: ConsumerMaps) -> None:
         state, gen = seg.state()
         if gen != ref.gen:
             return
-        if ref.stream and state == arena.STREAMING:
+        if (dead is not None and dead[0]) or (ref.stream and state == arena.STREAMING):
             seg.abandon(ref.gen)  # the producer frees it when it finishes
         elif not ref.pooled or state in (arena.PUBLISHED, arena.ABORTED):
-            give_back(seg, ref.pooled, maps)
+            _give_back(seg, ref.pooled, maps)
     except (ValueError, OSError):  # mapping already closed at interpreter exit
         pass
 
 
-def give_back(seg: arena.Segment, pooled: bool, maps: ConsumerMaps) -> None:
+def _give_back(seg: arena.Segment, pooled: bool, maps: ConsumerMaps) -> None:
     try:
         if pooled:
             seg.set_state(arena.FREE, seg.state()[1])
@@ -205,18 +209,6 @@ MAX_NAP_S = 0.001
 ALIVE_EVERY_S = 0.05
 
 
-def _release(seg: arena.Segment, ref: Ref, maps: ConsumerMaps, dead: list[bool]) -> None:
-    """Runs when the last view of a stream's frame is gone."""
-    if dead[0]:  # its writer looked dead: let a live writer free it, sweeping removes the rest
-        try:
-            if seg.state()[1] == ref.gen:
-                seg.abandon(ref.gen)
-        except (ValueError, OSError):
-            pass
-    else:
-        release_claimed(seg, ref, maps)
-
-
 class ShmFrameStream(PayloadStream):
     """A claimed streamed entry; ``ready`` follows the producer's progress.
 
@@ -229,7 +221,8 @@ class ShmFrameStream(PayloadStream):
         self._seg, self._ref = seg, ref
         self._dead = [False]
         window = np.frombuffer(seg.mm, dtype=np.uint8, count=ref.size, offset=arena.DATA_OFFSET)
-        weakref.finalize(window, _release, seg, ref, maps, self._dead)
+        # runs when the stream is closed and the last view of its frame is gone
+        weakref.finalize(window, release_claimed, seg, ref, maps, self._dead)
         self._window: np.ndarray | None = window
         self._started = False
         try:

@@ -122,24 +122,12 @@ class KVReceiver:
         Parts are opened as streams, so a frame still being written is checksummed
         while it arrives instead of in a second pass; tensors stay zero-copy views.
         """
-        from_stage, to_stage = self.recv_stages
-        assert from_stage is not None and to_stage is not None
-        meta = self._rank_metadata(from_rank)
-        conn = self.connector
-
-        def poll(k: str, first: bool) -> tuple[dict[str, Any], int] | None:
-            cap = self.config.poll_interval if first else min(self.config.poll_interval, 0.001)
-            s = self._poll(
-                from_stage, to_stage, k, meta, deadline, max_delay=cap, fetch=conn.open_stream
-            )
-            if s is None:
-                return None
-            with s:
-                for _ in s.ready(deadline):
+        for stream, size in self._part_streams(key, from_rank, deadline):
+            with stream:
+                for _ in stream.ready(deadline):
                     pass
-                return s.obj, s.size
-
-        return iter_parts(poll, key)
+                obj = stream.obj
+            yield obj, size
 
     def _part_streams(
         self, key: str, from_rank: int | None, deadline: float
