@@ -21,6 +21,7 @@ $(STAMP):
 lint: env
 	$(VENV)/bin/ruff check vllm_omni_kv tests benchmarks examples
 	$(VENV)/bin/ruff format --check vllm_omni_kv tests benchmarks examples
+	$(VENV)/bin/lint-imports
 
 typecheck: env
 	$(VENV)/bin/mypy

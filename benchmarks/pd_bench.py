@@ -19,18 +19,29 @@ median of ``--repeats`` runs after a warm-up pass over the whole workload):
 (bytes / consumer TTFT), and how many prompts gave the colocated tokens.
 Prefix caching is off so that repeated prompts are recomputed or re-transferred.
 
+For OmniKV also: ``single_load_GBps``, the consumer's own load time (verify + write
+into its cache, as the worker reports it in ``omni_kv_load``) of a complete payload
+for requests sent one at a time, against ``memcpy_GBps``, one thread's memmove of
+the same bytes between cold buffers measured in this run; and ``prefix_hits``: a consumer with prefix
+caching on loads prompts cold, then prompts whose first 60% it holds, and the bytes
+moved per loaded token of the two rounds are compared.
+
     python benchmarks/pd_bench.py            # writes benchmarks/results/pd_bench.{json,png}
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from vllm_omni_kv.testing.engine_proc import EngineProc as Engine
 
@@ -156,16 +167,10 @@ def _pd_round(
     return pre, dec
 
 
-def run_omnikv(
-    base: dict[str, Any],
-    backend: str,
-    prompts: list[list[int]],
-    out_tokens: int,
-    env: dict[str, str],
-    log_dir: Path,
-    repeats: int,
-    transfer_cpus: str = "auto",
-) -> dict[str, Any]:
+def _omnikv_configs(
+    base: dict[str, Any], backend: str, transfer_cpus: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Producer and consumer engine configs of OmniKVConnector over ``backend``."""
     from vllm_omni_kv.testing.net import free_port
 
     pextra: dict[str, Any]
@@ -198,6 +203,20 @@ def run_omnikv(
             "kv_connector_extra_config": {**cextra, "recv_timeout": 60},
         },
     )
+    return prod_cfg, cons_cfg
+
+
+def run_omnikv(
+    base: dict[str, Any],
+    backend: str,
+    prompts: list[list[int]],
+    out_tokens: int,
+    env: dict[str, str],
+    log_dir: Path,
+    repeats: int,
+    transfer_cpus: str = "auto",
+) -> dict[str, Any]:
+    prod_cfg, cons_cfg = _omnikv_configs(base, backend, transfer_cpus)
     prod, cons = _start(
         [(f"omnikv_{backend}-producer", prod_cfg), (f"omnikv_{backend}-consumer", cons_cfg)],
         env,
@@ -213,6 +232,11 @@ def run_omnikv(
             totals.append(total["seconds"])
             prefills.append(pre["seconds"])
             loads = [o["kv_transfer_params"]["omni_kv_load"] for o in first["outputs"]]
+        # one request at a time: each load (verify + write into the cache) runs alone
+        singles = []
+        for p in prompts:
+            _, dec = _pd_round(prod, cons, [p], 1, True)
+            singles.append(dec["outputs"][0]["kv_transfer_params"]["omni_kv_load"])
     finally:
         prod.stop()
         cons.stop()
@@ -224,7 +248,95 @@ def run_omnikv(
         kv_bytes=sum(int(x.get("bytes", 0)) for x in loads),
         loads_ok=sum(int(bool(x.get("ok"))) for x in loads),
         load_seconds_max=max(float(x.get("seconds", 0)) for x in loads),
+        **_single_loads(singles),
     )
+
+
+def _single_loads(loads: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-load throughput of requests loaded one at a time, against memcpy of the same bytes."""
+    ok = [x for x in loads if x.get("ok") and float(x.get("seconds", 0)) > 0]
+    if not ok:
+        return {"single_loads_ok": 0}
+    gbps = [int(x["bytes"]) / float(x["seconds"]) / 1e9 for x in ok]
+    nbytes = int(_median([float(x["bytes"]) for x in ok]))
+    memcpy = memcpy_gbps(nbytes)
+    return {
+        "single_loads_ok": len(ok),
+        "single_load_bytes": nbytes,
+        "single_load_GBps": round(_median(gbps), 3),
+        "single_load_GBps_samples": [round(g, 3) for g in gbps],
+        "memcpy_GBps": round(memcpy, 3),
+        "single_load_vs_memcpy": round(_median(gbps) / memcpy, 3),
+    }
+
+
+#: memcpy trials rotate through buffers this large in all, well past the last-level cache,
+#: so each copy starts cold, as a load does (the producer wrote its segment long before)
+MEMCPY_POOL_BYTES = 512 << 20
+
+
+def memcpy_gbps(nbytes: int, repeats: int = 9) -> float:
+    """One thread's ``memmove`` of ``nbytes`` from a cold buffer to a cold buffer (median GB/s)."""
+    pairs = max(2, -(-MEMCPY_POOL_BYTES // (2 * nbytes)))
+    pool = []
+    for _ in range(pairs):
+        src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+        dst = np.empty_like(src)
+        dst[:] = src  # pre-fault both: no page faults in the timed copy
+        pool.append((src, dst))
+    times = []
+    for i in range(max(repeats, pairs)):
+        src, dst = pool[i % pairs]
+        t0 = time.perf_counter()
+        ctypes.memmove(dst.ctypes.data, src.ctypes.data, nbytes)
+        times.append(time.perf_counter() - t0)
+    return nbytes / _median(times) / 1e9
+
+
+def run_prefix(
+    base: dict[str, Any],
+    backend: str,
+    prompts: list[list[int]],
+    fresh: list[list[int]],
+    env: dict[str, str],
+    log_dir: Path,
+) -> dict[str, Any]:
+    """Bytes per loaded token of cold requests vs requests whose prefix the consumer holds.
+
+    The consumer runs with prefix caching on. Round 1 loads ``prompts`` cold; round 2
+    sends each prompt's first 60% followed by new tokens, so the consumer already
+    holds the leading blocks and only the rest should cross the transport.
+    """
+    prod_cfg, cons_cfg = _omnikv_configs(base, backend, "auto")
+    cons_cfg["enable_prefix_caching"] = True
+    prod, cons = _start(
+        [(f"prefix_{backend}-producer", prod_cfg), (f"prefix_{backend}-consumer", cons_cfg)],
+        env,
+        log_dir,
+    )
+    try:
+        _, cold = _pd_round(prod, cons, prompts, 1, True)
+        ext = [
+            p[: int(len(p) * 0.6)] + f[: len(p) - int(len(p) * 0.6)] for p, f in zip(prompts, fresh)
+        ]
+        _, hit = _pd_round(prod, cons, ext, 1, True)
+    finally:
+        prod.stop()
+        cons.stop()
+    c = [o["kv_transfer_params"]["omni_kv_load"] for o in cold["outputs"]]
+    h = [o["kv_transfer_params"]["omni_kv_load"] for o in hit["outputs"]]
+    per_cold = sum(int(x["bytes"]) for x in c) / max(1, sum(int(x["tokens"]) for x in c))
+    per_hit = sum(int(x["bytes"]) for x in h) / max(1, sum(int(x["tokens"]) for x in h))
+    return {
+        "cold_loads_ok": sum(int(bool(x.get("ok"))) for x in c),
+        "hit_loads_ok": sum(int(bool(x.get("ok"))) for x in h),
+        "cold_tokens_loaded": sum(int(x["tokens"]) for x in c),
+        "hit_tokens_loaded": sum(int(x["tokens"]) for x in h),
+        "hit_prompt_tokens": sum(len(p) for p in ext),
+        "cold_bytes_per_token": round(per_cold, 1),
+        "hit_bytes_per_token": round(per_hit, 1),
+        "hit_vs_cold_bytes_per_token": round(per_hit / per_cold, 3),
+    }
 
 
 def run_example(
@@ -322,13 +434,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--transfer-cpus", default="auto", help="OmniKV transfer_cpus (auto, inherit, a list)"
     )
-    ap.add_argument("--skip", default="", help="comma list of: colocated,omnikv,example")
+    ap.add_argument("--skip", default="", help="comma list of: colocated,omnikv,prefix,example")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     a = ap.parse_args(argv)
 
     from transformers import AutoTokenizer
 
-    from vllm_omni_kv.testing.tiny_model import TinyModelSpec, prompt_text, write_tiny_model
+    from vllm_omni_kv.tiny_model import TinyModelSpec, prompt_text, write_tiny_model
 
     spec = TinyModelSpec(
         num_layers=a.layers,
@@ -368,6 +480,12 @@ def main(argv: list[str] | None = None) -> None:
     log_dir = Path(tempfile.mkdtemp(prefix="pd_bench_logs_"))
     skip = set(filter(None, a.skip.split(",")))
     results: dict[str, dict[str, Any]] = {}
+    prefix: dict[str, dict[str, Any]] = {}
+    fresh = []  # new tokens that extend a prompt the consumer holds (prefix-hit phase)
+    for i in range(a.prompts):
+        fresh.append(
+            list(tok(prompt_text(500 + i, a.prompt_tokens))["input_ids"][: a.prompt_tokens])
+        )
     print(
         f"model {model.name}: {n_tokens} prompt tokens, {kv_per_token} B KV/token; logs in {log_dir}"
     )
@@ -392,6 +510,9 @@ def main(argv: list[str] | None = None) -> None:
                 base, backend, prompts, a.output_tokens, env, log_dir, a.repeats, a.transfer_cpus
             )
             print(key, {k: v for k, v in results[key].items() if k not in ("tokens", "top2")})
+            if "prefix" not in skip:
+                prefix[backend] = run_prefix(base, backend, prompts, fresh, env, log_dir)
+                print(f"prefix hits, {backend}:", prefix[backend])
     if "example" not in skip:
         results["example_connector"] = run_example(
             base, prompts, a.output_tokens, env, log_dir, a.repeats
@@ -418,7 +539,13 @@ def main(argv: list[str] | None = None) -> None:
                 "target_met": bool(
                     ex and co and r["ttft_s"] <= 0.5 * ex["ttft_s"] and r["ttft_s"] < co["ttft_s"]
                 ),
+                "single_load_vs_memcpy": r.get("single_load_vs_memcpy"),
+                "load_target_met": bool((r.get("single_load_vs_memcpy") or 0) >= 0.6),
             }
+            pre = prefix.get(name.removeprefix("omnikv_"))
+            if pre:
+                summary[name]["hit_vs_cold_bytes_per_token"] = pre["hit_vs_cold_bytes_per_token"]
+                summary[name]["prefix_target_met"] = pre["hit_vs_cold_bytes_per_token"] <= 1.25
     report = {
         "workload": {
             "prompts": a.prompts,
@@ -436,6 +563,7 @@ def main(argv: list[str] | None = None) -> None:
             n: {k: v for k, v in r.items() if k not in ("tokens", "top2")}
             for n, r in results.items()
         },
+        "prefix_hits": prefix,
         "summary": summary,
     }
     (a.out / "pd_bench.json").write_text(json.dumps(report, indent=2))

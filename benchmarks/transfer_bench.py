@@ -26,11 +26,11 @@ from typing import Any
 
 import torch
 
-from vllm_omni_kv.transfer.extract import extract_request_kv
+from vllm_omni_kv.kvcache.paged_blocks import extract_request_blocks
+from vllm_omni_kv.kvcache.token_major import extract_request_kv
 from vllm_omni_kv.transfer.kv_config import DEFAULT_MAX_PART_BYTES, OmniKVCacheConfig
 from vllm_omni_kv.transfer.manager import OmniKVTransferManager
-from vllm_omni_kv.transfer.payload import KVCacheTransferData
-from vllm_omni_kv.transfer.raw_blocks import extract_request_blocks
+from vllm_omni_kv.wire.payload import KVCacheTransferData
 
 LAYERS, HEADS, DIM, BS = 8, 8, 128, 32
 DTYPE = torch.bfloat16

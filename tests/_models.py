@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from vllm_omni_kv.testing.tiny_model import TinyModelSpec, write_tiny_model
+from vllm_omni_kv.tiny_model import TinyModelSpec, write_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL_CACHE = Path(os.environ.get("OMNIKV_MODEL_CACHE", REPO / ".cache" / "tiny-models"))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_omni_kv.testing.tiny_model import TinyModelSpec, write_tiny_model
+from vllm_omni_kv.tiny_model import TinyModelSpec, write_tiny_model
 
 
 def _py(code: str, timeout: float = 180) -> str:

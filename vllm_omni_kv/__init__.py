@@ -20,23 +20,24 @@ _LAZY: dict[str, str] = {
     "BackendUnavailable": "vllm_omni_kv.errors",
     "ConfigError": "vllm_omni_kv.errors",
     "KVTransferError": "vllm_omni_kv.errors",
+    "KVTransferCancelled": "vllm_omni_kv.errors",
     # transfer core
-    "KVCacheTransferData": "vllm_omni_kv.transfer.payload",
-    "LayerKV": "vllm_omni_kv.transfer.kv_utils",
+    "KVCacheTransferData": "vllm_omni_kv.wire.payload",
+    "LayerKV": "vllm_omni_kv.kvcache.kv_utils",
     "OmniKVCacheConfig": "vllm_omni_kv.transfer.manager",
     "OmniKVTransferManager": "vllm_omni_kv.transfer.manager",
-    "ConnectorSpec": "vllm_omni_kv.transfer.config",
-    "OmniTransferConfig": "vllm_omni_kv.transfer.config",
-    "load_omni_transfer_config": "vllm_omni_kv.transfer.config",
+    "ConnectorSpec": "vllm_omni_kv.backends.spec",
+    "OmniTransferConfig": "vllm_omni_kv.backends.spec",
+    "load_omni_transfer_config": "vllm_omni_kv.backends.spec",
     # backends
     "OmniConnectorBase": "vllm_omni_kv.backends.base",
     "OmniConnectorFactory": "vllm_omni_kv.backends.factory",
-    "SharedMemoryConnector": "vllm_omni_kv.backends.shm",
-    "MooncakeTransferEngineConnector": "vllm_omni_kv.backends.mooncake_te",
-    "MooncakeStoreConnector": "vllm_omni_kv.backends.mooncake_store",
-    "MooncakeConnector": "vllm_omni_kv.backends.mooncake_store",
-    "YuanrongConnector": "vllm_omni_kv.backends.yuanrong",
-    "YuanrongTransferEngineConnector": "vllm_omni_kv.backends.yuanrong",
+    "SharedMemoryConnector": "vllm_omni_kv.backends.shm.connector",
+    "MooncakeTransferEngineConnector": "vllm_omni_kv.backends.transfer_engine.mooncake",
+    "MooncakeStoreConnector": "vllm_omni_kv.backends.mooncake_store.connector",
+    "MooncakeConnector": "vllm_omni_kv.backends.mooncake_store.connector",
+    "YuanrongConnector": "vllm_omni_kv.backends.yuanrong.datasystem",
+    "YuanrongTransferEngineConnector": "vllm_omni_kv.backends.transfer_engine.yuanrong",
     "ManagedBuffer": "vllm_omni_kv.backends.pool",
     "BufferAllocator": "vllm_omni_kv.backends.pool",
     # vLLM connector
@@ -62,20 +63,21 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # pragma: no cover
     from vllm_omni_kv.backends.base import OmniConnectorBase
     from vllm_omni_kv.backends.factory import OmniConnectorFactory
-    from vllm_omni_kv.backends.shm import SharedMemoryConnector
-    from vllm_omni_kv.errors import (
-        BackendUnavailable,
-        ConfigError,
-        KVPayloadError,
-        KVTransferError,
-        KVTransferTimeout,
-        OmniKVError,
-    )
-    from vllm_omni_kv.transfer.config import (
+    from vllm_omni_kv.backends.shm.connector import SharedMemoryConnector
+    from vllm_omni_kv.backends.spec import (
         ConnectorSpec,
         OmniTransferConfig,
         load_omni_transfer_config,
     )
-    from vllm_omni_kv.transfer.kv_utils import LayerKV
+    from vllm_omni_kv.errors import (
+        BackendUnavailable,
+        ConfigError,
+        KVPayloadError,
+        KVTransferCancelled,
+        KVTransferError,
+        KVTransferTimeout,
+        OmniKVError,
+    )
+    from vllm_omni_kv.kvcache.kv_utils import LayerKV
     from vllm_omni_kv.transfer.manager import OmniKVCacheConfig, OmniKVTransferManager
-    from vllm_omni_kv.transfer.payload import KVCacheTransferData
+    from vllm_omni_kv.wire.payload import KVCacheTransferData

@@ -16,19 +16,19 @@ from vllm_omni_kv import __version__
 
 # backend name -> (module with selftest(), the third-party modules it needs, install hint)
 BACKENDS: dict[str, tuple[str, tuple[str, ...], str]] = {
-    "shm": ("vllm_omni_kv.backends.shm_selftest", (), "Linux with /dev/shm"),
+    "shm": ("vllm_omni_kv.backends.shm.selftest", (), "Linux with /dev/shm"),
     "mooncake_te": (
-        "vllm_omni_kv.backends.mooncake_te",
+        "vllm_omni_kv.backends.transfer_engine.mooncake",
         ("mooncake.engine",),
         "pip install 'vllm-omni-kv[mooncake-cpu]' (CPU) or 'vllm-omni-kv[mooncake]' (CUDA)",
     ),
     "mooncake_store": (
-        "vllm_omni_kv.backends.mooncake_store",
+        "vllm_omni_kv.backends.mooncake_store.connector",
         ("mooncake.store",),
         "pip install 'vllm-omni-kv[mooncake-cpu]' (CPU) or 'vllm-omni-kv[mooncake]' (CUDA)",
     ),
     "yuanrong": (
-        "vllm_omni_kv.backends.yuanrong",
+        "vllm_omni_kv.backends.yuanrong.datasystem",
         ("yr.datasystem",),
         "pip install openyuanrong-datasystem openyuanrong-transfer-engine",
     ),
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         ]
         return 1 if failed else 0
     if a.cmd == "sweep":
-        from vllm_omni_kv.backends.shm_arena import sweep_orphans
+        from vllm_omni_kv.backends.shm.arena import sweep_orphans
 
         removed = sweep_orphans()
         print(
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0
     if a.cmd == "tiny-model":
-        from vllm_omni_kv.testing.tiny_model import TinyModelSpec, write_tiny_model
+        from vllm_omni_kv.tiny_model import TinyModelSpec, write_tiny_model
 
         heads = max(a.kv_heads * 2, 2)
         spec = TinyModelSpec(

@@ -25,3 +25,7 @@ class KVTransferTimeout(KVTransferError, TimeoutError):
 
 class BackendUnavailable(OmniKVError, ImportError):
     """A backend cannot be used here (package missing, service unreachable)."""
+
+
+class KVTransferCancelled(KVTransferError):
+    """A transfer was stopped because its request was aborted."""

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-CONNECTOR_NAME = "OmniKVConnector"
-CONNECTOR_MODULE = "vllm_omni_kv.connector.omni_kv_connector"
-CONNECTOR_CLASS = "OmniKVConnector"
+from vllm_omni_kv.connector import CONNECTOR_MODULE, CONNECTOR_NAME
+
+__all__ = ["CONNECTOR_MODULE", "CONNECTOR_NAME", "register"]
 
 
 def register() -> bool:
@@ -20,5 +20,5 @@ def register() -> bool:
         return False
     if CONNECTOR_NAME in KVConnectorFactory._registry:
         return False
-    KVConnectorFactory.register_connector(CONNECTOR_NAME, CONNECTOR_MODULE, CONNECTOR_CLASS)
+    KVConnectorFactory.register_connector(CONNECTOR_NAME, CONNECTOR_MODULE, CONNECTOR_NAME)
     return True

@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=240.0)
     a = ap.parse_args(argv)
 
-    from vllm_omni_kv.testing.tiny_model import write_tiny_model
+    from vllm_omni_kv.tiny_model import write_tiny_model
 
     write_tiny_model(a.model)
     ns = f"ar2dit-{os.getpid()}"

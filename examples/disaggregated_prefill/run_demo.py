@@ -62,7 +62,7 @@ class Terminated(Exception):
 
 # -- the model -------------------------------------------------------------------------------
 def ensure_model() -> Path:
-    from vllm_omni_kv.testing.tiny_model import TinyModelSpec, write_tiny_model
+    from vllm_omni_kv.tiny_model import TinyModelSpec, write_tiny_model
 
     # 4 layers x 4 KV heads x head_dim 64, fp32: 8 KiB of KV per token, fast to start.
     spec = TinyModelSpec(
@@ -190,7 +190,7 @@ class Supervisor:
             self.stop(list(self.services), grace)
         finally:
             with contextlib.suppress(Exception):
-                from vllm_omni_kv.backends import shm_arena
+                from vllm_omni_kv.backends.shm import arena as shm_arena
 
                 shm_arena.sweep_orphans()  # segments of a server that had to be killed
             for s, h in old.items():
@@ -312,7 +312,7 @@ class Prompt:
 
 
 def build_prompts(n: int, quick: bool) -> list[Prompt]:
-    from vllm_omni_kv.testing.tiny_model import prompt_text
+    from vllm_omni_kv.tiny_model import prompt_text
 
     out = []
     for i in range(n):
@@ -465,7 +465,7 @@ def run_colocated(prompts: list[Prompt], srv: Service) -> list[dict[str, Any]]:
 
 def warm_up(base: str, what: str) -> None:
     """One untimed request: the first one pays one-time costs (allocations, lazy init)."""
-    from vllm_omni_kv.testing.tiny_model import prompt_text
+    from vllm_omni_kv.tiny_model import prompt_text
 
     p = Prompt("completion", {"prompt": prompt_text(7, 64)}, "warm-up")
     data, dt = send(base, p, timeout=120)

@@ -25,8 +25,8 @@ import xxhash
 
 from vllm_omni_kv.backends.base import OmniConnectorBase
 from vllm_omni_kv.backends.pool import ManagedBuffer
-from vllm_omni_kv.transfer import codec
-from vllm_omni_kv.transfer.payload import KVCacheTransferData
+from vllm_omni_kv.wire import codec
+from vllm_omni_kv.wire.payload import KVCacheTransferData
 
 FROM, TO = "0", "1"
 
@@ -125,7 +125,7 @@ def _recv(conn: Connection, timeout: float = 60.0) -> Any:
 def sender_main(conn: Connection, config: dict[str, Any]) -> None:
     """Child process: a MooncakeTransferEngineConnector driven by commands on ``conn``."""
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-    from vllm_omni_kv.backends.mooncake_te import MooncakeTransferEngineConnector
+    from vllm_omni_kv.backends.transfer_engine.mooncake import MooncakeTransferEngineConnector
 
     c = MooncakeTransferEngineConnector(config)
     _send(conn, {"info": c.get_connection_info()})
@@ -231,7 +231,7 @@ class MooncakeTEHarness(Harness):
     name = "mooncake_te"
 
     def __init__(self) -> None:
-        from vllm_omni_kv.backends.mooncake_te import MooncakeTransferEngineConnector
+        from vllm_omni_kv.backends.transfer_engine.mooncake import MooncakeTransferEngineConnector
 
         self._cls = MooncakeTransferEngineConnector
         self.proc = SenderProcess(te_config("sender"))
@@ -254,7 +254,7 @@ class MooncakeTEHarness(Harness):
 
 class MooncakeStoreHarness(LocalHarness):
     def __init__(self, master: Any) -> None:
-        from vllm_omni_kv.backends.mooncake_store import MooncakeStoreConnector
+        from vllm_omni_kv.backends.mooncake_store.connector import MooncakeStoreConnector
 
         cfg = master.store_config(segment=320 << 20, localbuf=160 << 20)
         super().__init__("mooncake_store", lambda: MooncakeStoreConnector(cfg))
@@ -264,7 +264,7 @@ class MooncakeStoreHarness(LocalHarness):
 def make_harness(name: str) -> Iterator[Harness]:
     """Build the harness for ``name``; its processes/servers are always stopped."""
     if name == "shm":
-        from vllm_omni_kv.backends.shm import SharedMemoryConnector
+        from vllm_omni_kv.backends.shm.connector import SharedMemoryConnector
 
         h: Harness = LocalHarness(
             "shm", lambda: SharedMemoryConnector({"namespace": f"conf{os.getpid()}"})
@@ -280,7 +280,7 @@ def make_harness(name: str) -> Iterator[Harness]:
         finally:
             h.close()
     elif name == "mooncake_store":
-        from vllm_omni_kv.testing.mooncake import mooncake_master
+        from vllm_omni_kv.backends.mooncake_store.master import mooncake_master
 
         with mooncake_master() as m:
             h = MooncakeStoreHarness(m)

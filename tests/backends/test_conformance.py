@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from vllm_omni_kv.errors import KVTransferError
-from vllm_omni_kv.transfer.payload import KVCacheTransferData
+from vllm_omni_kv.wire.payload import KVCacheTransferData
 
 from .conformance import Harness, checksum, make_harness, wait_until
 
@@ -26,9 +26,9 @@ from .conformance import Harness, checksum, make_harness, wait_until
 def _shm_param() -> object:
     reason = ""
     try:
-        import vllm_omni_kv.backends.shm  # noqa: F401
+        import vllm_omni_kv.backends.shm.connector  # noqa: F401
     except Exception as e:  # the shared-memory backend is written concurrently
-        reason = f"vllm_omni_kv.backends.shm does not import yet: {e}"
+        reason = f"vllm_omni_kv.backends.shm.connector does not import yet: {e}"
     return pytest.param("shm", marks=pytest.mark.skipif(bool(reason), reason=reason or "n/a"))
 
 

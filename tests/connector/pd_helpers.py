@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_omni_kv.testing.engine_proc import EngineProc, kill_group
-from vllm_omni_kv.testing.tiny_model import prompt_text
+from vllm_omni_kv.tiny_model import prompt_text
 
 __all__ = [
     "LOG_DIR",
@@ -90,7 +90,7 @@ def engines(*cfgs: tuple[str, dict[str, Any]]) -> Iterator[list[EngineProc]]:
 def sweep_dead_segments() -> None:
     """Unlink shared-memory files left by engines this test killed."""
     with contextlib.suppress(Exception):
-        from vllm_omni_kv.backends import shm_arena
+        from vllm_omni_kv.backends.shm import arena as shm_arena
 
         shm_arena.sweep_orphans()
 
@@ -104,7 +104,7 @@ def omnikv_files() -> set[str]:
 
 def _owned_by_live_process(name: str) -> bool:
     """Files of processes still running (other users of this host) are not ours to judge."""
-    from vllm_omni_kv.backends import shm_arena
+    from vllm_omni_kv.backends.shm import arena as shm_arena
 
     pid = shm_arena._owner_pid(name)
     return pid is not None and shm_arena.pid_alive(pid)
@@ -112,7 +112,7 @@ def _owned_by_live_process(name: str) -> bool:
 
 def live_arena_segment(name: str) -> bool:
     """An arena segment of a live producer: it outlives single requests by design."""
-    from vllm_omni_kv.backends import shm_arena
+    from vllm_omni_kv.backends.shm import arena as shm_arena
 
     if not name.startswith(shm_arena.SEG_PREFIX):
         return False

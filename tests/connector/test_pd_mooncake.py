@@ -15,7 +15,7 @@ from vllm_omni_kv.testing.net import free_port
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.mooncake]
 
 pytest.importorskip("mooncake.engine", reason="the Mooncake transfer engine wheel is not installed")
-pytest.importorskip("vllm_omni_kv.backends.mooncake_te")
+pytest.importorskip("vllm_omni_kv.backends.transfer_engine.mooncake")
 
 # Mooncake's TCP transport occasionally stalls a read (kvcache-ai/Mooncake#4209); the backend
 # turns a stall into a ~3 s retry (tcp_progress_timeout_s), so leave room for a few of them.

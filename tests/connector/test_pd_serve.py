@@ -203,3 +203,122 @@ def test_consumer_logs_connector_stats(servers: Servers) -> None:
 def test_proxy_health(servers: Servers) -> None:
     r = requests.get(servers.proxy + "/health", timeout=10)
     assert r.status_code == 200 and r.json()["healthy"] is True
+
+
+# -- tail-only transfers and cancellation (the consumer's prefix cache is on) ---------------
+
+
+def _prefill(servers: Servers, ids: list[int]) -> dict[str, Any]:
+    """The P step of the proxy by hand: the producer's kv_transfer_params for ``ids``."""
+    body = {"prompt": ids, "max_tokens": 1, "temperature": 0}
+    body["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False}
+    params: dict[str, Any] = servers.post(servers.prefill, "/v1/completions", body)[
+        "kv_transfer_params"
+    ]
+    return params
+
+
+def _decode(servers: Servers, ids: list[int], params: dict[str, Any]) -> dict[str, Any]:
+    body = {"prompt": ids, "kv_transfer_params": params, **GREEDY}
+    return servers.post(servers.decode, "/v1/completions", body)
+
+
+def _payload_published(params: dict[str, Any]) -> bool:
+    """Whether the producer's shared-memory payload for ``params`` is still unclaimed."""
+    from vllm_omni_kv.backends.shm import arena
+    from vllm_omni_kv.backends.shm.connector import index_name
+    from vllm_omni_kv.kvcache.kv_utils import get_kv_connector_key
+
+    key = get_kv_connector_key(params["remote_transfer_id"], "prefill", 0, 0, 0)
+    name = index_name("default", "prefill", "decode", key)
+    return os.path.exists(os.path.join(arena.SHM_DIR, name))
+
+
+def test_prefix_hit_moves_only_the_missing_blocks(servers: Servers, tiny_model_dir: Path) -> None:
+    base, other = make_prompts(tiny_model_dir, 2, seed=31)
+    cold_ids = other + base[:120]  # as long as the extended prompt, nothing cached
+    ext = base + other[:120]  # starts with ``base``, which the consumer will hold
+    first = _decode(servers, base, _prefill(servers, base))
+    assert first["kv_transfer_params"]["omni_kv_load"]["ok"] is True
+    cold = _decode(servers, cold_ids, _prefill(servers, cold_ids))["kv_transfer_params"]
+    hit_resp = _decode(servers, ext, _prefill(servers, ext))
+    hit = hit_resp["kv_transfer_params"]["omni_kv_load"]
+    c = cold["omni_kv_load"]
+    assert c["ok"] is True and hit["ok"] is True, (c, hit)
+    cached = (len(base) // 32) * 32
+    assert hit["tokens"] == len(ext) - cached, hit  # only what the consumer lacks
+    assert c["tokens"] == len(cold_ids)
+    ratio = (hit["bytes"] / hit["tokens"]) / (c["bytes"] / c["tokens"])
+    assert ratio <= 1.25, (hit, c, ratio)
+    ref = servers.post(servers.prefill, "/v1/completions", {"prompt": ext, **GREEDY})
+    assert hit_resp["choices"][0]["text"] == ref["choices"][0]["text"]
+
+
+def test_full_local_hit_releases_the_payload_without_pulling(
+    servers: Servers, tiny_model_dir: Path
+) -> None:
+    ids = make_prompts(tiny_model_dir, 1, seed=32)[0]
+    assert _decode(servers, ids, _prefill(servers, ids))["kv_transfer_params"]["omni_kv_load"]["ok"]
+    params = _prefill(servers, ids)  # a second payload for a prompt the consumer holds
+    assert _payload_published(params)
+    got = _decode(servers, ids, params)
+    load = got["kv_transfer_params"]["omni_kv_load"]
+    assert load["local_hit"] is True and load["bytes"] == 0, load
+    deadline = time.monotonic() + 10
+    while _payload_published(params) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _payload_published(params), "the producer's payload was not released"
+    ref = servers.post(servers.prefill, "/v1/completions", {"prompt": ids, **GREEDY})
+    assert got["choices"][0]["text"] == ref["choices"][0]["text"]
+
+
+def _kv_usage(servers: Servers) -> float:
+    text = requests.get(servers.decode + "/metrics", timeout=10).text
+    m = re.search(r"^vllm:kv_cache_usage_perc\{[^}]*\} ([0-9.e+-]+)$", text, re.M)
+    assert m, "the consumer exports no vllm:kv_cache_usage_perc"
+    return float(m.group(1))
+
+
+def test_aborted_load_is_cancelled_and_frees_its_blocks(
+    servers: Servers, tiny_model_dir: Path
+) -> None:
+    ids = make_prompts(tiny_model_dir, 1, seed=33)[0]
+    params = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": "no-such-producer",
+        "remote_request_id": f"never-sent-{time.time_ns()}",
+    }
+    mark = servers.decode_log.stat().st_size
+    r = requests.post(
+        servers.decode + "/v1/completions",
+        json={
+            "model": servers.model,
+            "prompt": ids,
+            "stream": True,
+            "kv_transfer_params": params,
+            **GREEDY,
+        },
+        stream=True,
+        timeout=60,
+    )
+    assert r.status_code == 200
+    time.sleep(1.5)  # the load waits for a payload that never comes (recv_timeout is 30 s)
+    assert _kv_usage(servers) > 0  # the waiting request holds its blocks
+    r.close()  # the client hangs up: vLLM aborts the request
+    pat = re.compile(r"KV load of request \S+ cancelled after ([0-9.]+)s")
+    deadline = time.monotonic() + 10
+    found = None
+    while found is None and time.monotonic() < deadline:
+        with open(servers.decode_log, "rb") as f:
+            f.seek(mark)
+            found = pat.search(f.read().decode(errors="replace"))
+        time.sleep(0.05)
+    assert found, "the aborted request's load was not cancelled"
+    assert float(found.group(1)) < 5, found.group(0)  # not at recv_timeout
+    deadline = time.monotonic() + 10
+    while _kv_usage(servers) > 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _kv_usage(servers) == 0, "the cancelled load's blocks were not freed"
+    got = servers.post(servers.proxy, "/v1/completions", {"prompt": ids, **GREEDY})
+    assert got["kv_transfer_params"]["omni_kv_load"]["ok"] is True

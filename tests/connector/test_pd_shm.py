@@ -134,7 +134,7 @@ def test_missing_payload_recomputes_within_timeout(
 
 
 def _producer_segments(prod: EngineProc) -> list[str]:
-    from vllm_omni_kv.backends import shm_arena
+    from vllm_omni_kv.backends.shm import arena as shm_arena
 
     out = []
     for name in os.listdir(shm_arena.SHM_DIR):
@@ -150,7 +150,7 @@ def _producer_segments(prod: EngineProc) -> list[str]:
 
 
 def test_corrupted_payload_recomputes(pd: PD, groups: dict[str, list[list[int]]]) -> None:
-    from vllm_omni_kv.backends import shm_arena
+    from vllm_omni_kv.backends.shm import arena as shm_arena
 
     prompts = groups["corrupt"]
     params = pd.prefill(prompts)

@@ -13,7 +13,7 @@ from vllm_omni_kv.connector.metadata import (  # noqa: E402
 )
 from vllm_omni_kv.connector.omni_kv_connector import OmniKVConnector  # noqa: E402
 from vllm_omni_kv.connector.stats import OmniKVConnectorStats  # noqa: E402
-from vllm_omni_kv.transfer.raw_blocks import block_runs as _runs  # noqa: E402
+from vllm_omni_kv.kvcache.paged_blocks import block_runs as _runs  # noqa: E402
 
 
 def test_stats_aggregate_and_reduce() -> None:

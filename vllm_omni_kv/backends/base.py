@@ -2,25 +2,28 @@
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from typing import Any
 
 from vllm_omni_kv.closing import Closing
-from vllm_omni_kv.transfer import codec
-from vllm_omni_kv.transfer.stream import CompleteStream, PayloadStream
+from vllm_omni_kv.wire.stream import PayloadStream
+
+#: how long ``get`` waits for a frame it has opened to arrive in full (seconds)
+GET_WAIT_S = 30.0
 
 
 class OmniConnectorBase(Closing, ABC):
-    """Key-addressed put/get transport between pipeline stages.
+    """Key-addressed put / open-stream transport between pipeline stages.
 
     ``put`` stores an object under a key for an edge ``from_stage -> to_stage``;
-    ``get`` retrieves it (once, unless the backend documents otherwise).
-    Objects cross processes in the packed frame format of
-    :mod:`vllm_omni_kv.transfer.codec` (never pickle).
+    ``open_stream`` claims it (once, unless the backend documents otherwise) and
+    returns a :class:`~vllm_omni_kv.wire.stream.PayloadStream` whose ``load``
+    brings just the byte ranges a reader needs. ``get`` and ``discard`` are
+    helpers on top. Objects cross processes in the packed frame format of
+    :mod:`vllm_omni_kv.wire.codec` (never pickle).
     """
 
-    #: True when ``put`` accepts packed device tensors / raw buffers directly.
-    supports_raw_data: bool = False
     #: True when ``open_stream`` can hand over a frame while it is still being written.
     supports_streaming: bool = False
 
@@ -33,15 +36,6 @@ class OmniConnectorBase(Closing, ABC):
         """Store ``data``; return ``(success, serialized_size, metadata)``."""
 
     @abstractmethod
-    def get(
-        self,
-        from_stage: str,
-        to_stage: str,
-        get_key: str,
-        metadata: dict[str, Any] | None = None,
-    ) -> tuple[Any, int] | None:
-        """Retrieve ``(object, serialized_size)``, or None when not (yet) available."""
-
     def open_stream(
         self,
         from_stage: str,
@@ -49,10 +43,48 @@ class OmniConnectorBase(Closing, ABC):
         get_key: str,
         metadata: dict[str, Any] | None = None,
     ) -> PayloadStream | None:
-        """Like ``get`` but may return before the payload is complete (see
-        :mod:`vllm_omni_kv.transfer.stream`); None when it is not available yet."""
-        got = self.get(from_stage, to_stage, get_key, metadata)
-        return None if got is None else CompleteStream(*got)
+        """Claim the frame under ``get_key``; None when it is not there (yet).
+
+        Returns once the frame's header is known; its bytes arrive through the
+        stream's ``load``. Raises ``KVPayloadError`` for a corrupt frame and
+        ``KVTransferError`` when its producer is gone: waiting cannot fix either.
+        """
+
+    def get(
+        self,
+        from_stage: str,
+        to_stage: str,
+        get_key: str,
+        metadata: dict[str, Any] | None = None,
+    ) -> tuple[Any, int] | None:
+        """``(object, serialized_size)`` with every byte loaded and verified; None when absent.
+
+        Waits at most :data:`GET_WAIT_S` for a frame still being written.
+        """
+        stream = self.open_stream(from_stage, to_stage, get_key, metadata)
+        if stream is None:
+            return None
+        with stream:
+            for _ in stream.load(None, time.monotonic() + GET_WAIT_S):
+                pass
+            return stream.obj, stream.size
+
+    def discard(
+        self,
+        from_stage: str,
+        to_stage: str,
+        key: str,
+        metadata: dict[str, Any] | None = None,
+    ) -> bool:
+        """Tell the producer its frame under ``key`` will not be read; True when one was there.
+
+        Moves no payload bytes.
+        """
+        stream = self.open_stream(from_stage, to_stage, key, metadata)
+        if stream is None:
+            return False
+        stream.close()
+        return True
 
     @abstractmethod
     def cleanup(self, request_id: str) -> None:
@@ -69,16 +101,6 @@ class OmniConnectorBase(Closing, ABC):
     @property
     def closed(self) -> bool:
         return self._closed
-
-    @staticmethod
-    def serialize_obj(obj: Any) -> bytes:
-        """Serialize ``obj`` (tensors, bytes, msgpack-able values) to the packed frame format."""
-        return bytes(codec.encode(obj).to_bytearray())
-
-    @staticmethod
-    def deserialize_obj(data: bytes | bytearray | memoryview) -> Any:
-        """Inverse of :meth:`serialize_obj`; raises ``KVPayloadError`` on malformed input."""
-        return codec.decode(data)
 
     def __del__(self) -> None:  # best effort: never leak segments/threads on GC
         try:

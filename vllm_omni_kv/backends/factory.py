@@ -8,23 +8,29 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_omni_kv.backends.base import OmniConnectorBase
+from vllm_omni_kv.backends.spec import ConnectorSpec
 from vllm_omni_kv.errors import ConfigError
-from vllm_omni_kv.transfer.config import ConnectorSpec
 
 Constructor = Callable[[dict[str, Any]], OmniConnectorBase]
 
 # Built-in backends: name -> (module, class). Imported only when created.
 _BUILTIN: dict[str, tuple[str, str]] = {
-    "SharedMemoryConnector": ("vllm_omni_kv.backends.shm", "SharedMemoryConnector"),
+    "SharedMemoryConnector": ("vllm_omni_kv.backends.shm.connector", "SharedMemoryConnector"),
     "MooncakeTransferEngineConnector": (
-        "vllm_omni_kv.backends.mooncake_te",
+        "vllm_omni_kv.backends.transfer_engine.mooncake",
         "MooncakeTransferEngineConnector",
     ),
-    "MooncakeStoreConnector": ("vllm_omni_kv.backends.mooncake_store", "MooncakeStoreConnector"),
-    "MooncakeConnector": ("vllm_omni_kv.backends.mooncake_store", "MooncakeStoreConnector"),
-    "YuanrongConnector": ("vllm_omni_kv.backends.yuanrong", "YuanrongConnector"),
+    "MooncakeStoreConnector": (
+        "vllm_omni_kv.backends.mooncake_store.connector",
+        "MooncakeStoreConnector",
+    ),
+    "MooncakeConnector": (
+        "vllm_omni_kv.backends.mooncake_store.connector",
+        "MooncakeStoreConnector",
+    ),
+    "YuanrongConnector": ("vllm_omni_kv.backends.yuanrong.datasystem", "YuanrongConnector"),
     "YuanrongTransferEngineConnector": (
-        "vllm_omni_kv.backends.yuanrong",
+        "vllm_omni_kv.backends.transfer_engine.yuanrong",
         "YuanrongTransferEngineConnector",
     ),
 }

@@ -209,7 +209,7 @@ class ManagedBuffer(Closing):
         """A view with the dtype/shape the sender put (``uint8`` bytes when it put bytes)."""
         if self.dtype_name is None or self.shape is None:
             return self.tensor
-        from vllm_omni_kv.transfer.codec import DTYPES
+        from vllm_omni_kv.wire.codec import DTYPES
 
         dtype = DTYPES.get(self.dtype_name)
         if dtype is None:

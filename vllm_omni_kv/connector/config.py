@@ -25,7 +25,9 @@ first request. Accepted fields::
     remote_port          port advertised to consumers (default: backend "zmq_port" or 0)
     transfer_format      "auto" (default: each layer's blocks as the cache holds them when
                          producer and consumer TP sizes match, else token-major K/V),
-                         "raw_blocks" or "token_major"
+                         "paged_blocks" (alias: "raw_blocks") or "token_major"
+    max_part_bytes       payloads above this travel as layer-wise parts (0: never; default:
+                         one frame over shared memory, 8 MiB parts over other backends)
     transfer_cpus        CPUs of the backend's threads (side channel, transfer-engine
                          I/O): "auto" (default: the CPUs the worker process had before
                          vLLM pinned its main thread), "inherit" (stay on the main
@@ -40,9 +42,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_omni_kv.backends.factory import OmniConnectorFactory
+from vllm_omni_kv.backends.spec import ConnectorSpec, load_omni_transfer_config
 from vllm_omni_kv.connector.affinity import parse_cpu_list
 from vllm_omni_kv.errors import ConfigError
-from vllm_omni_kv.transfer.config import ConnectorSpec, load_omni_transfer_config
 
 KNOWN_FIELDS: frozenset[str] = frozenset(
     {
@@ -58,13 +60,16 @@ KNOWN_FIELDS: frozenset[str] = frozenset(
         "target_tp_size",
         "load_threads",
         "send_ttl",
+        "max_part_bytes",
         "remote_host",
         "remote_port",
         "transfer_format",
         "transfer_cpus",
     }
 )
-TRANSFER_FORMATS = ("auto", "raw_blocks", "token_major")
+TRANSFER_FORMATS = ("auto", "paged_blocks", "token_major")
+#: compatibility alias: the name ``paged_blocks`` had before 0.2
+FORMAT_ALIASES = {"raw_blocks": "paged_blocks"}
 
 _WHERE = "kv_connector_extra_config"
 
@@ -83,6 +88,7 @@ class OmniKVConfig:
     target_tp_size: int | None = None
     load_threads: int = 2
     send_ttl: float = 300.0
+    max_part_bytes: int | None = None
     remote_host: str = "127.0.0.1"
     remote_port: int = 0
     transfer_format: str = "auto"
@@ -121,6 +127,18 @@ def _positive_int(raw: Mapping[str, Any], name: str, default: int | None) -> int
     if out < 1:
         raise ConfigError(f"{_WHERE}.{name} must be an integer >= 1, got {value!r}")
     return out
+
+
+def _part_bytes(raw: Mapping[str, Any]) -> int | None:
+    value = raw.get("max_part_bytes")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(
+            f"{_WHERE}.max_part_bytes must be an int >= 0 (0: one frame per payload) or null "
+            f"(automatic), got {value!r}"
+        )
+    return value
 
 
 def _stage(raw: Mapping[str, Any], name: str, default: str) -> str:
@@ -213,6 +231,7 @@ def parse_omni_kv_config(raw: Mapping[str, Any] | None) -> OmniKVConfig:
                 f"got {cpus!r} ({e})"
             ) from None
     fmt = raw.get("transfer_format", "auto")
+    fmt = FORMAT_ALIASES.get(fmt, fmt) if isinstance(fmt, str) else fmt
     if fmt not in TRANSFER_FORMATS:
         raise ConfigError(
             f"{_WHERE}.transfer_format must be one of {TRANSFER_FORMATS}, got {fmt!r}"
@@ -230,6 +249,7 @@ def parse_omni_kv_config(raw: Mapping[str, Any] | None) -> OmniKVConfig:
         target_tp_size=_positive_int(raw, "target_tp_size", None),
         load_threads=load_threads,
         send_ttl=_positive_float(raw, "send_ttl", 300.0),
+        max_part_bytes=_part_bytes(raw),
         remote_host=host,
         remote_port=port,
     )

@@ -9,9 +9,11 @@ Protocol (NIXL's, so existing proxies and routers work unchanged):
   (``do_remote_prefill``, ``remote_engine_id``, ``remote_request_id``...).
 * consumer: a request carrying those params loads every prompt token not
   cached locally, asynchronously (``get_num_new_matched_tokens`` returns
-  ``(n, True)``); the worker reports it in ``finished_recving`` (and its blocks
-  as invalid when the load failed, so vLLM recomputes or fails it according
-  to ``kv_load_failure_policy``).
+  ``(n, True)``); only those tokens cross the transport. The worker reports it in
+  ``finished_recving`` (and its blocks as invalid when the load failed, so vLLM
+  recomputes or fails it according to ``kv_load_failure_policy``). When every
+  block but the last is cached locally, nothing is loaded: the consumer computes
+  the rest itself and tells the producer to release its payload.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = init_logger(__name__)
+
+#: ``omni_kv_load`` of a request whose prompt was cached here: nothing was pulled
+LOCAL_HIT = {"ok": True, "tokens": 0, "bytes": 0, "seconds": 0.0, "error": "", "local_hit": True}
 
 #: Fields a consumer needs in ``kv_transfer_params`` to find the payload.
 REQUIRED_REMOTE_FIELDS = ("remote_engine_id", "remote_request_id")
@@ -72,6 +77,8 @@ class OmniKVScheduler:
         self._loading: dict[str, LoadSpec] = {}
         self._load_results: dict[str, dict[str, Any]] = {}
         self._discards: list[DiscardSpec] = []
+        # consumer: requests served from the local prefix cache (payload released, not pulled)
+        self._local_hits: set[str] = set()
 
     # -- helpers ------------------------------------------------------------------------
     @staticmethod
@@ -126,8 +133,11 @@ class OmniKVScheduler:
         if not self._has_remote_fields(request, params):
             return 0, False
         count = int(request.num_prompt_tokens) - int(num_computed_tokens)
-        if count > 0:
+        if count > self.block_size:
             return count, True
+        # A full local hit: vLLM recomputes at least the prompt's last token, so what is
+        # missing lies in the last block; computing it here is cheaper than a transfer,
+        # and update_state_after_alloc releases the producer's payload.
         return 0, False
 
     def update_state_after_alloc(
@@ -157,8 +167,9 @@ class OmniKVScheduler:
             self._new_loads.append(spec)
             self._loading[request.request_id] = spec
         else:
-            # Everything is cached locally: drop the producer's copy.
+            # Everything but the last block is cached locally: release the producer's copy.
             self._discard(request, params)
+            self._local_hits.add(request.request_id)
         # One transfer per request, even if it is preempted and rescheduled later.
         params["do_remote_prefill"] = False
 
@@ -231,6 +242,9 @@ class OmniKVScheduler:
                 "omni_from_stage": self.cfg.from_stage,
                 "omni_to_stage": self.cfg.to_stage,
             }
+        if req_id in self._local_hits:
+            self._local_hits.discard(req_id)
+            return False, {"omni_kv_load": dict(LOCAL_HIT)}
         load = self._loading.pop(req_id, None)
         if load is not None:
             res = self._load_results.pop(req_id, None)

@@ -1,40 +1,38 @@
-"""Worker half of :class:`OmniKVConnector`: moves KV between paged blocks and a backend.
+"""Worker half of :class:`OmniKVConnector`: moves KV between paged blocks and a transfer session.
 
-Send (producer): in ``wait_for_save`` every request whose prefill completed
-this step is laid out as one frame per target rank; its per-layer K/V tensors
-are :class:`~vllm_omni_kv.transfer.codec.LazyTensor` s gathered straight from
-the paged blocks into the backend's buffer (one copy). The put is synchronous,
-so the request is reported in ``finished_sending`` as soon as vLLM says it
-finished.
+Send (producer): in ``wait_for_save`` every request whose prefill completed this
+step becomes one payload per target rank, in the paged-blocks format (the
+layers' blocks as the cache holds them) or token-major (heterogeneous TP or
+``transfer_format``), gathered lazily straight into the backend's buffer (one
+copy). Each frame is verified per paged block, so a consumer can check exactly
+the blocks it reads. The request is reported in ``finished_sending`` once vLLM
+says it finished.
 
-Receive (consumer): ``start_load_kv`` hands each load to a background thread
-that polls the backend (with backoff) until the payload is there or the
-deadline ``recv_timeout`` after the load was scheduled has passed, verifies
-it (frame checksum, prompt digest, token count, layer count, shapes, dtype)
-and scatters the missing tokens into the request's blocks. Every load ends in
-``finished_recving``; a failed one also reports its blocks from
+Receive (consumer): ``start_load_kv`` hands each load to a background thread.
+The session polls the backend until the payload is there (bounded by
+``recv_timeout`` from when the load was scheduled), the payload is checked
+against the request (prompt digest, token count, block size, shapes) and only
+the tokens the consumer lacks cross the transport and are written into its
+blocks. A load whose request vLLM finished (aborted) is cancelled. Every load
+ends in ``finished_recving``; a failed one also reports its blocks from
 ``get_block_ids_with_load_errors`` so vLLM recomputes (or fails) the request.
 """
 
 from __future__ import annotations
 
-import collections
 import functools
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm_omni_kv.backends.base import OmniConnectorBase
 from vllm_omni_kv.backends.factory import OmniConnectorFactory
-from vllm_omni_kv.connector.affinity import (
-    background_cpus,
-    describe,
-    spawn_on,
-)
+from vllm_omni_kv.backends.spec import ConnectorSpec
+from vllm_omni_kv.connector.affinity import background_cpus, describe, spawn_on
 from vllm_omni_kv.connector.config import OmniKVConfig
 from vllm_omni_kv.connector.metadata import (
     DiscardSpec,
@@ -43,29 +41,20 @@ from vllm_omni_kv.connector.metadata import (
     OmniKVWorkerMetadata,
     SaveSpec,
 )
-from vllm_omni_kv.connector.payload import LayerCache, build_payload, inject_payload
+from vllm_omni_kv.connector.receive import LayerCache, layer_caches, receive
 from vllm_omni_kv.connector.stats import OmniKVConnectorStats
 from vllm_omni_kv.errors import (
     ConfigError,
-    KVPayloadError,
-    KVTransferError,
+    KVTransferCancelled,
     KVTransferTimeout,
     OmniKVError,
 )
+from vllm_omni_kv.kvcache.kv_utils import KVTPTopology, get_local_tp_rank, get_tp_world_size
+from vllm_omni_kv.kvcache.paged_blocks import block_bytes, extract_request_blocks
+from vllm_omni_kv.kvcache.token_major import extract_request_kv
 from vllm_omni_kv.logger import init_logger
-from vllm_omni_kv.transfer import codec
-from vllm_omni_kv.transfer.config import ConnectorSpec
-from vllm_omni_kv.transfer.kv_utils import (
-    KVTPTopology,
-    build_rank_aware_recv_keys,
-    build_rank_aware_send_keys,
-    detect_kv_layout,
-    get_local_tp_rank,
-    get_tp_world_size,
-    merge_received_rank_shards,
-    normalize_layer_kv,
-    slice_received_rank_shard,
-)
+from vllm_omni_kv.transfer.session import SessionPolicy, TransferSession, sender_endpoint
+from vllm_omni_kv.wire.payload import KVCacheTransferData
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -86,6 +75,7 @@ class _Outcome:
     seconds: float = 0.0
     error: str = ""
     timed_out: bool = False
+    cancelled: bool = False
 
 
 class OmniKVWorker:
@@ -106,10 +96,15 @@ class OmniKVWorker:
             logger.info("OmniKVConnector: transfer threads run on CPUs %s", describe(cpus))
         try:
             with spawn_on(cpus):  # the backend's threads (side channel, engine I/O)
-                self.backend: OmniConnectorBase = OmniConnectorFactory.create_connector(spec)
+                backend = OmniConnectorFactory.create_connector(spec)
         except OmniKVError as e:
             raise type(e)(f"kv_connector_extra_config.backend {cfg.backend.name!r}: {e}") from e
+        policy = SessionPolicy(
+            cfg.poll_interval, cfg.max_poll_interval, max_part_bytes=cfg.max_part_bytes
+        )
+        self.session = TransferSession(backend, cfg.from_stage, cfg.to_stage, policy)
         self.layers: list[LayerCache] = []
+        self.paged_blocks = False
         self.stats = OmniKVConnectorStats()
         self._lock = threading.Lock()
         self._landed = threading.Condition(self._lock)  # a load finished
@@ -120,94 +115,75 @@ class OmniKVWorker:
         self._pool = ThreadPoolExecutor(
             max_workers=cfg.load_threads, thread_name_prefix="omnikv-recv"
         )
-        self._inflight: dict[str, Future[_Outcome]] = {}
+        self._inflight: dict[str, tuple[Future[_Outcome], threading.Event]] = {}
         self._outcomes: list[_Outcome] = []
         self._sent_unreported: set[str] = set()
         self._invalid_blocks: set[int] = set()
         self._worker_meta: dict[str, dict[str, Any]] = {}
-        self._sent_keys: collections.deque[tuple[float, str]] = collections.deque()
+        self._sent_keys: deque[tuple[float, str]] = deque()
         self._closed = False
 
     # -- setup ---------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        layers: list[LayerCache] = []
-        for i, (name, cache) in enumerate(kv_caches.items()):
-            kv = normalize_layer_kv(cache, layer_idx=i)
-            if kv is None:
-                raise ConfigError(
-                    f"OmniKVConnector cannot read the KV cache layout of layer {name!r} "
-                    f"(shape {tuple(getattr(cache, 'shape', ()))}); supported: FlashAttention, "
-                    "FlashInfer, (key, value) tuples and vLLM's CPU layout"
-                )
-            key, value = kv
-            if int(key.shape[1]) != self.block_size:
-                raise ConfigError(
-                    f"layer {name!r}: cache block size {key.shape[1]} != configured "
-                    f"block_size {self.block_size}"
-                )
-            layout = detect_kv_layout(cache)
-            raw = cache if layout != "tuple" and cache.is_contiguous() else None
-            layers.append(LayerCache(name, key, value, raw, 1 if layout == "flash" else 0, layout))
-        self.layers = layers
-        if self.cfg.transfer_format == "raw_blocks" and not self._raw_ok():
+        self.layers = layer_caches(kv_caches, self.block_size)
+        single = all(
+            isinstance(x.cache, torch.Tensor) and x.cache.is_contiguous() for x in self.layers
+        )
+        fmt = self.cfg.transfer_format
+        self.paged_blocks = fmt != "token_major" and single and self.target_tp_size == self.tp_size
+        if fmt == "paged_blocks" and not self.paged_blocks:
             raise ConfigError(
-                "kv_connector_extra_config.transfer_format 'raw_blocks' needs equal producer and "
-                "consumer TP sizes and a single-tensor KV cache per layer; use 'auto'"
+                "kv_connector_extra_config.transfer_format 'paged_blocks' needs equal producer "
+                "and consumer TP sizes and a single-tensor KV cache per layer; use 'auto'"
             )
-        if layers:
-            k = layers[0].key
+        if self.layers:
+            k = self.layers[0].key
             logger.info(
                 "OmniKVConnector worker (tp %d/%d, backend %s): %d layers, %d blocks of %d "
-                "tokens, %d kv heads x %d, %s",
+                "tokens, %d kv heads x %d, %s, sends %s",
                 self.tp_rank,
                 self.tp_size,
                 self.cfg.backend_name,
-                len(layers),
+                len(self.layers),
                 k.shape[0],
                 k.shape[1],
                 k.shape[2],
                 k.shape[3],
                 k.dtype,
+                "paged blocks" if self.paged_blocks else "token-major K/V",
             )
 
     # -- send ----------------------------------------------------------------------------
-    def _raw_ok(self) -> bool:
-        """Raw blocks travel when no head slicing is needed and every layer is one tensor."""
-        if self.cfg.transfer_format == "token_major":
-            return False
-        return self.target_tp_size == self.tp_size and all(x.raw is not None for x in self.layers)
-
-    def _payload(self, spec: SaveSpec) -> dict[str, Any]:
-        n = len(spec.block_ids) * self.block_size
-        md: dict[str, Any] = {
-            "num_tokens": spec.num_tokens,
-            "rows": n,
+    def _payload(self, spec: SaveSpec) -> tuple[KVCacheTransferData, int]:
+        """The request's payload and its verification chunk (one paged block)."""
+        md = {
             "prompt_digest": spec.prompt_digest,
             "engine_id": self.engine_id,
             "tp_rank": self.tp_rank,
             "tp_size": self.tp_size,
-            "block_size": self.block_size,
             "layer_names": [layer.name for layer in self.layers],
         }
-        return build_payload(self.layers, spec, self.block_size, md, self._raw_ok())
-
-    def _inject(self, spec: LoadSpec, payload: dict[str, Any]) -> None:
-        inject_payload(self.layers, self.block_size, spec, payload)
+        if self.paged_blocks:
+            tensors = [x.cache for x in self.layers if isinstance(x.cache, torch.Tensor)]
+            data = extract_request_blocks(
+                spec.transfer_id, spec.block_ids, spec.num_tokens, list(tensors), metadata=md
+            )
+            return data, block_bytes(tensors[0], self.layers[0].layout)
+        caches = [layer.cache for layer in self.layers]
+        data = extract_request_kv(
+            spec.transfer_id, spec.block_ids, spec.num_tokens, caches, metadata=md
+        )
+        k = self.layers[0].key
+        return data, self.block_size * int(k.shape[2]) * int(k.shape[3]) * k.element_size()
 
     def _send(self, spec: SaveSpec) -> None:
         t0 = time.perf_counter()
         try:
             topo = KVTPTopology(self.tp_size, self.target_tp_size, self.tp_rank)
-            keys = build_rank_aware_send_keys(
-                spec.transfer_id, self.cfg.from_stage, self.cfg.to_stage, topo
-            )
             total = 0
-            for key in keys:
-                frame = codec.encode(self._payload(spec))
-                ok, size, _ = self.backend.put(self.cfg.from_stage, self.cfg.to_stage, key, frame)
-                if not ok:
-                    raise KVTransferError(f"backend {self.cfg.backend_name} rejected key {key!r}")
-                total += int(size)
+            for key in self.session.send_keys(spec.transfer_id, topo):
+                data, chunk = self._payload(spec)
+                total += self.session.send(key, data, chunk_bytes=chunk)
                 self._sent_keys.append((time.monotonic(), key))
         except Exception as e:  # the consumer will time out and recompute
             self.stats.record_send(0, 0.0, ok=False)
@@ -234,7 +210,7 @@ class OmniKVWorker:
         while self._sent_keys and self._sent_keys[0][0] < deadline:
             _, key = self._sent_keys.popleft()
             try:
-                self.backend.cleanup(key)
+                self.session.backend.cleanup(key)
             except Exception as e:
                 logger.debug("cleanup of %s failed: %s", key, e)
 
@@ -256,9 +232,10 @@ class OmniKVWorker:
         for d in meta.discards:
             self._pool.submit(self._discard, d)
         for spec in meta.loads:
-            fut = self._pool.submit(self._load, spec, now + self.cfg.recv_timeout)
+            cancel = threading.Event()
+            fut = self._pool.submit(self._load, spec, now + self.cfg.recv_timeout, cancel)
             with self._lock:
-                self._inflight[spec.req_id] = fut
+                self._inflight[spec.req_id] = (fut, cancel)
             fut.add_done_callback(functools.partial(self._done, spec))
 
     def _done(self, spec: LoadSpec, fut: Future[_Outcome]) -> None:
@@ -276,53 +253,7 @@ class OmniKVWorker:
             source_tp or self.cfg.source_tp_size or self.tp_size, self.tp_size, self.tp_rank
         )
 
-    def _remote_md(
-        self, host: str | None, port: int | None, from_rank: int | None
-    ) -> dict[str, Any] | None:
-        if not host or not port:
-            return None
-        # a sender rank's side channel listens on the advertised base port + its rank
-        return {"source_host": host, "source_port": int(port) + int(from_rank or 0)}
-
-    def _poll(self, key: str, md: dict[str, Any] | None, deadline: float) -> tuple[Any, int]:
-        delay = self.cfg.poll_interval
-        last_err: Exception | None = None
-        while True:
-            if self._stop.is_set():
-                raise KVTransferError("the connector is shutting down")
-            try:
-                got = self.backend.get(self.cfg.from_stage, self.cfg.to_stage, key, md)
-            except KVPayloadError:
-                raise
-            except KVTransferTimeout as e:  # the backend's own wait ran out; ours decides
-                got, last_err = None, e
-            except KVTransferError as e:
-                got, last_err = None, e
-            if got is not None:
-                return got
-            now = time.monotonic()
-            if now >= deadline:
-                why = f" (last backend error: {last_err})" if last_err else ""
-                raise KVTransferTimeout(
-                    f"no KV payload under key {key!r} within recv_timeout={self.cfg.recv_timeout}s"
-                    f"{why}; is the producer running and using the same backend "
-                    f"({self.cfg.backend_name}) and stage names?"
-                )
-            self._stop.wait(min(delay, max(deadline - now, 0.0)))
-            delay = min(delay * 2, self.cfg.max_poll_interval)
-
-    @staticmethod
-    def _as_payload(obj: Any) -> dict[str, Any]:
-        if isinstance(obj, dict):
-            return obj
-        raw = getattr(obj, "tensor", obj)
-        if isinstance(raw, (torch.Tensor, bytes, bytearray, memoryview)):
-            decoded = codec.decode(raw)
-            if isinstance(decoded, dict):
-                return decoded
-        raise KVPayloadError(f"backend returned a {type(obj).__name__}, not a KV payload")
-
-    def _failed(self, spec: LoadSpec, why: str, dt: float, timed_out: bool = False) -> _Outcome:
+    def _failed(self, spec: LoadSpec, why: str, dt: float, **flags: bool) -> _Outcome:
         first = spec.num_local_tokens // self.block_size
         n_blocks = -(-(spec.num_local_tokens + spec.num_load_tokens) // self.block_size)
         return _Outcome(
@@ -331,85 +262,86 @@ class OmniKVWorker:
             block_ids=list(spec.block_ids[first:n_blocks]),
             seconds=dt,
             error=why,
-            timed_out=timed_out,
+            **flags,
         )
 
-    def _load(self, spec: LoadSpec, deadline: float) -> _Outcome:
+    def _load(self, spec: LoadSpec, deadline: float, cancel: threading.Event) -> _Outcome:
         t0 = time.monotonic()
-        held: list[Any] = []
+        topo = self._topology(spec.source_tp_size)
+        keys = self.session.recv_keys(spec.transfer_id, topo)
+        endpoints = [sender_endpoint(spec.remote_host, spec.remote_port, r) for _k, r in keys]
         try:
-            topo = self._topology(spec.source_tp_size)
-            keys = build_rank_aware_recv_keys(
-                spec.transfer_id, self.cfg.from_stage, self.cfg.to_stage, topo
+            if self._stop.is_set():
+                raise KVTransferCancelled("the connector is shutting down")
+            tokens, moved = receive(
+                self.session,
+                self.layers,
+                spec,
+                [(k, ep) for (k, _r), ep in zip(keys, endpoints, strict=True)],
+                topo,
+                deadline,
+                cancel,
             )
-            nbytes = 0
-            payloads: list[dict[str, Any]] = []
-            for key, from_rank in keys:
-                obj, size = self._poll(
-                    key, self._remote_md(spec.remote_host, spec.remote_port, from_rank), deadline
-                )
-                held.append(obj)
-                payloads.append(self._as_payload(obj))
-                nbytes += int(size)
-            payload = merge_received_rank_shards(payloads)
-            payload = slice_received_rank_shard(payload, topo)
-            if payload is None:
-                raise KVPayloadError("no payload after merging rank shards")
-            self._inject(spec, payload)
+        except KVTransferCancelled as e:
+            for (key, _r), ep in zip(keys, endpoints, strict=True):  # tell the producer
+                try:
+                    self.session.discard(key, ep)
+                except Exception as err:  # best effort: the producer expires it anyway
+                    logger.debug("discarding %s after cancel: %s", key, err)
+            return self._failed(spec, str(e), time.monotonic() - t0, cancelled=True)
         except KVTransferTimeout as e:
-            return self._failed(spec, str(e), time.monotonic() - t0, timed_out=True)
+            why = f"{e} (within recv_timeout={self.cfg.recv_timeout:g}s)"
+            return self._failed(spec, why, time.monotonic() - t0, timed_out=True)
         except OmniKVError as e:
             return self._failed(spec, f"{type(e).__name__}: {e}", time.monotonic() - t0)
         except Exception as e:
             logger.exception("unexpected error loading the KV of request %s", spec.req_id)
             return self._failed(spec, f"{type(e).__name__}: {e}", time.monotonic() - t0)
-        finally:
-            for obj in held:
-                release = getattr(obj, "release", None)
-                if callable(release):
-                    try:
-                        release()
-                    except Exception:
-                        pass
         return _Outcome(
-            spec.req_id,
-            ok=True,
-            tokens=spec.num_load_tokens,
-            nbytes=nbytes,
-            seconds=time.monotonic() - t0,
+            spec.req_id, ok=True, tokens=tokens, nbytes=moved, seconds=time.monotonic() - t0
         )
 
     def _discard(self, d: DiscardSpec) -> None:
+        """A full local prefix hit: tell the producer its payload is not needed (nothing moves)."""
         try:
             topo = self._topology(d.source_tp_size)
-            for key, from_rank in build_rank_aware_recv_keys(
-                d.transfer_id, self.cfg.from_stage, self.cfg.to_stage, topo
-            ):
-                got = self.backend.get(
-                    self.cfg.from_stage,
-                    self.cfg.to_stage,
-                    key,
-                    self._remote_md(d.remote_host, d.remote_port, from_rank),
-                )
-                release = getattr(got[0], "release", None) if got else None
-                if callable(release):
-                    release()
+            for key, from_rank in self.session.recv_keys(d.transfer_id, topo):
+                ep = sender_endpoint(d.remote_host, d.remote_port, from_rank)
+                if self.session.discard(key, ep):
+                    logger.debug("request %s is fully cached here: released %s", d.req_id, key)
         except Exception as e:  # best effort: the producer expires it after send_ttl
             logger.debug("discarding the payload of %s: %s", d.req_id, e)
 
     # -- completion ----------------------------------------------------------------------
+    def _cancel_finished(self, finished_req_ids: set[str]) -> bool:
+        """Cancel the loads of requests vLLM finished (aborted); True when any was."""
+        hit = False
+        for req_id in finished_req_ids & set(self._inflight):
+            self._inflight[req_id][1].set()
+            hit = True
+        return hit
+
     def get_transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """``(finished_sending, finished_recving)``; failed loads' blocks are stashed.
 
-        On a step without a forward pass (the engine only waits for loads), block up to
-        :data:`IDLE_WAIT_S` until every load in flight has landed instead of letting the
-        engine spin: the CPU goes to the loads (and to a producer sharing this host), and
-        requests loaded together are scheduled together, in one forward pass.
+        Loads of requests in ``finished_req_ids`` (aborted while loading) are
+        cancelled and waited for, so vLLM frees their blocks this step. On a step
+        without a forward pass (the engine only waits for loads), block up to
+        :data:`IDLE_WAIT_S` until every load in flight has landed instead of letting
+        the engine spin: the CPU goes to the loads, and requests loaded together are
+        scheduled together, in one forward pass.
         """
         with self._lock:
-            if self._idle_step and self._inflight:
+            cancelled = self._cancel_finished(finished_req_ids)
+            if self._inflight and (self._idle_step or cancelled):
                 deadline = time.monotonic() + IDLE_WAIT_S
-                while self._inflight and (left := deadline - time.monotonic()) > 0:
+
+                def pending() -> bool:  # idle: every load; else the cancelled ones
+                    if self._idle_step:
+                        return bool(self._inflight)
+                    return bool(finished_req_ids & set(self._inflight))
+
+                while pending() and (left := deadline - time.monotonic()) > 0:
                     self._landed.wait(left)
             sending = self._sent_unreported & finished_req_ids
             self._sent_unreported -= sending
@@ -417,34 +349,43 @@ class OmniKVWorker:
         recving: set[str] = set()
         for out in outcomes:
             recving.add(out.req_id)
-            self.stats.record_recv(out.nbytes, out.seconds, out.tokens, out.ok, out.timed_out)
-            self._worker_meta[out.req_id] = {
-                "ok": out.ok,
-                "tokens": out.tokens,
-                "bytes": out.nbytes,
-                "seconds": round(out.seconds, 6),
-                "error": out.error,
-            }
-            if out.ok:
-                logger.debug(
-                    "loaded %d tokens of %s: %d bytes in %.2f ms",
-                    out.tokens,
-                    out.req_id,
-                    out.nbytes,
-                    out.seconds * 1e3,
-                )
-            else:
-                self._invalid_blocks.update(out.block_ids)
-                logger.warning(
-                    "OmniKVConnector: KV load of request %s failed after %.2fs: %s; its %d "
-                    "blocks are reported invalid (kv_load_failure_policy decides: recompute "
-                    "or fail)",
-                    out.req_id,
-                    out.seconds,
-                    out.error,
-                    len(out.block_ids),
-                )
+            self._report(out)
         return sending, recving
+
+    def _report(self, out: _Outcome) -> None:
+        self.stats.record_recv(out.nbytes, out.seconds, out.tokens, out.ok, out.timed_out)
+        self._worker_meta[out.req_id] = {
+            "ok": out.ok,
+            "tokens": out.tokens,
+            "bytes": out.nbytes,
+            "seconds": round(out.seconds, 6),
+            "error": out.error,
+        }
+        if out.ok:
+            logger.debug(
+                "loaded %d tokens of %s: %d bytes in %.2f ms",
+                out.tokens,
+                out.req_id,
+                out.nbytes,
+                out.seconds * 1e3,
+            )
+        elif out.cancelled:
+            logger.info(
+                "OmniKVConnector: KV load of request %s cancelled after %.3fs (%s)",
+                out.req_id,
+                out.seconds,
+                out.error,
+            )
+        else:
+            self._invalid_blocks.update(out.block_ids)
+            logger.warning(
+                "OmniKVConnector: KV load of request %s failed after %.2fs: %s; its %d blocks "
+                "are reported invalid (kv_load_failure_policy decides: recompute or fail)",
+                out.req_id,
+                out.seconds,
+                out.error,
+                len(out.block_ids),
+            )
 
     def take_invalid_block_ids(self) -> set[int]:
         out, self._invalid_blocks = self._invalid_blocks, set()
@@ -464,8 +405,11 @@ class OmniKVWorker:
             return
         self._closed = True
         self._stop.set()
+        with self._lock:
+            for _fut, cancel in self._inflight.values():
+                cancel.set()
         self._pool.shutdown(wait=True, cancel_futures=True)
         try:
-            self.backend.close()
+            self.session.backend.close()
         except Exception as e:
             logger.warning("closing backend %s: %s", self.cfg.backend_name, e)

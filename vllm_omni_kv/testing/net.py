@@ -5,13 +5,9 @@ from __future__ import annotations
 import socket
 import time
 
+from vllm_omni_kv.backends.net import free_port
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
+__all__ = ["free_port", "free_port_block", "wait_for_port"]
 
 
 def free_port_block(n: int, host: str = "127.0.0.1", attempts: int = 200) -> int:

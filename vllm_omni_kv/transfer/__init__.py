@@ -1,1 +1,4 @@
-"""Transfer core usable by vLLM-free stages: payload codec, kv_utils, manager, config."""
+"""The transfer layer: the transfer session, ``OmniKVTransferManager`` and its config.
+
+Usable without vLLM; above the backends, below the vLLM connector.
+"""

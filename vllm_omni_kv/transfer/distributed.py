@@ -14,17 +14,30 @@ Broadcasts carry the packed frame (no pickle): a length, then the bytes.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from vllm_omni_kv.errors import ConfigError
+from vllm_omni_kv.kvcache.kv_utils import get_tp_world_size
+from vllm_omni_kv.kvcache.token_major import to_device
 from vllm_omni_kv.logger import init_logger
-from vllm_omni_kv.transfer import codec
-from vllm_omni_kv.transfer.kv_utils import get_tp_world_size
+from vllm_omni_kv.wire import codec
 
-if TYPE_CHECKING:
-    from vllm_omni_kv.transfer.manager import OmniKVTransferManager
+
+class Receiver(Protocol):
+    """What the distributed receive needs of ``OmniKVTransferManager``."""
+
+    def receive_multi_kv_cache(
+        self, req: Any, cfg_kv_collect_func: Callable | None, target_device: torch.device | None
+    ) -> bool: ...
+
+    def receive_primary_and_companions(
+        self, req: Any, func: Callable | None, target_device: torch.device | None
+    ) -> tuple[bool, dict[str, Any]]: ...
+
+    def apply_kv_cache_to_request(self, req: Any, data: dict[str, Any]) -> None: ...
+
 
 logger = init_logger(__name__)
 
@@ -64,7 +77,7 @@ def broadcast_object(obj: Any, src: int, group: Any = None) -> Any:
 
 
 def receive_multi_distributed(
-    manager: OmniKVTransferManager,
+    manager: Receiver,
     req: Any,
     func: Callable | None,
     target_device: torch.device | None,
@@ -90,7 +103,7 @@ def receive_multi_distributed(
         group, src = None, 0
     result: dict[str, Any] = {"ok": False}
     if rank == src:
-        ok, extras = manager._receive_primary_and_companions(req, func, None)
+        ok, extras = manager.receive_primary_and_companions(req, func, None)
         result = {"ok": ok}
         if ok:
             result["data"] = _primary_payload(req)
@@ -115,15 +128,13 @@ def _primary_payload(req: Any) -> dict[str, Any]:
 
 
 def _finish(
-    manager: OmniKVTransferManager,
+    manager: Receiver,
     req: Any,
     result: dict[str, Any],
     target_device: torch.device | None,
 ) -> None:
     if target_device is not None:
-        from vllm_omni_kv.transfer.receiver import _to_device
-
-        manager.apply_kv_cache_to_request(req, _to_device(_primary_payload(req), target_device))
+        manager.apply_kv_cache_to_request(req, to_device(_primary_payload(req), target_device))
     extras = result.get("extras") or {}
     if extras:
         target = getattr(req, "sampling_params", None) or req

@@ -6,10 +6,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_omni_kv.errors import ConfigError
+from vllm_omni_kv.transfer.session import DEFAULT_MAX_PART_BYTES
 
-#: payloads above this many bytes travel as layer-wise parts (see ``transfer.parts``)
-#: over backends that cannot stream a frame while it is being written
-DEFAULT_MAX_PART_BYTES = 8 << 20
+__all__ = ["DEFAULT_MAX_PART_BYTES", "OmniKVCacheConfig", "config_from_omni_kv", "field_of"]
 
 
 @dataclass
@@ -24,7 +23,9 @@ class OmniKVCacheConfig:
     the default: one frame over a streaming backend such as shared memory,
     whose receivers already overlap with the sender byte by byte, else
     ``DEFAULT_MAX_PART_BYTES``).
-    ``poll_interval`` caps the receive-side polling backoff (seconds).
+    ``poll_interval`` is the first wait between receive polls and
+    ``max_poll_interval`` the cap of their doubling backoff (seconds; the same
+    meaning as in the vLLM connector's config).
     """
 
     connector_config: dict[str, Any] | None = None
@@ -41,7 +42,8 @@ class OmniKVCacheConfig:
     send_retries: int = 3
     retry_backoff: float = 0.05
     max_part_bytes: int | None = None
-    poll_interval: float = 0.02
+    poll_interval: float = 0.001
+    max_poll_interval: float = 0.02
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -60,9 +62,14 @@ class OmniKVCacheConfig:
                 "max_part_bytes must be an int >= 0 (0 disables parts) or null (automatic), "
                 f"got {self.max_part_bytes!r}"
             )
-        if not isinstance(self.poll_interval, (int, float)) or not 0 < self.poll_interval <= 1:
+        for name in ("poll_interval", "max_poll_interval"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not 0 < value <= 1:
+                raise ConfigError(f"{name} must be a number of seconds in (0, 1], got {value!r}")
+        if self.poll_interval > self.max_poll_interval:
             raise ConfigError(
-                f"poll_interval must be a number of seconds in (0, 1], got {self.poll_interval!r}"
+                f"poll_interval ({self.poll_interval}) must not exceed max_poll_interval "
+                f"({self.max_poll_interval})"
             )
         if self.send_retries < 1:
             raise ConfigError(f"send_retries must be >= 1, got {self.send_retries}")
@@ -91,7 +98,8 @@ def config_from_omni_kv(kv: Any, stage_id: Any = None) -> OmniKVCacheConfig:
         to_tp=int(field_of(rank_mapping, "to_tp", 1)),
         local_rank=field_of(kv, "local_rank"),
         max_part_bytes=_opt_int(field_of(kv, "max_part_bytes")),
-        poll_interval=float(field_of(kv, "poll_interval", 0.02)),
+        poll_interval=float(field_of(kv, "poll_interval", 0.001)),
+        max_poll_interval=float(field_of(kv, "max_poll_interval", 0.02)),
     )
 
 

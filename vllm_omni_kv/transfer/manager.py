@@ -1,9 +1,9 @@
-"""``OmniKVTransferManager``: connector lifecycle, KV extraction, send with retry,
-receive with timeout, for vLLM and vLLM-free stages alike."""
+"""``OmniKVTransferManager``: the vllm-omni API (names unchanged) over a
+:class:`~vllm_omni_kv.transfer.session.TransferSession`, for vLLM and vLLM-free
+stages alike. Keys, retries, parts, polling and ranged loads are the session's."""
 
 from __future__ import annotations
 
-import random
 import threading
 import time
 from collections.abc import Callable
@@ -14,32 +14,36 @@ import torch
 
 from vllm_omni_kv.backends.base import OmniConnectorBase
 from vllm_omni_kv.backends.factory import OmniConnectorFactory
-from vllm_omni_kv.errors import BackendUnavailable, ConfigError, KVPayloadError, OmniKVError
-from vllm_omni_kv.logger import init_logger
-from vllm_omni_kv.transfer import distributed
-from vllm_omni_kv.transfer.config import ConnectorSpec
-from vllm_omni_kv.transfer.extract import extract_request_kv
-from vllm_omni_kv.transfer.kv_config import (
-    DEFAULT_MAX_PART_BYTES,
-    OmniKVCacheConfig,
-    config_from_omni_kv,
-    field_of,
+from vllm_omni_kv.backends.spec import ConnectorSpec
+from vllm_omni_kv.errors import (
+    BackendUnavailable,
+    ConfigError,
+    KVPayloadError,
+    KVTransferTimeout,
+    OmniKVError,
 )
-from vllm_omni_kv.transfer.kv_utils import (
+from vllm_omni_kv.kvcache.formats import plan_injection
+from vllm_omni_kv.kvcache.kv_utils import (
     KVTPTopology,
     LayerKV,
-    build_rank_aware_send_keys,
     get_local_tp_rank,
+    merge_received_rank_shards,
+    slice_received_rank_shard,
     validate_kv_tp_topology,
 )
-from vllm_omni_kv.transfer.parts import send_parts
-from vllm_omni_kv.transfer.payload import KVCacheTransferData
-from vllm_omni_kv.transfer.receiver import KVReceiver
+from vllm_omni_kv.kvcache.paged_blocks import blocks_to_tokens, is_block_payload
+from vllm_omni_kv.kvcache.token_major import extract_request_kv, to_device, trim_to_num_tokens
+from vllm_omni_kv.logger import init_logger
+from vllm_omni_kv.transfer import distributed
+from vllm_omni_kv.transfer.kv_config import OmniKVCacheConfig, config_from_omni_kv, field_of
+from vllm_omni_kv.transfer.parts import part_layer_count
+from vllm_omni_kv.transfer.session import SessionPolicy, TransferSession, sender_endpoint
+from vllm_omni_kv.wire.payload import KVCacheTransferData
 
 logger = init_logger(__name__)
 
 
-class OmniKVTransferManager(KVReceiver):
+class OmniKVTransferManager:
     """Unified management of an omni connector and the KV transfers through it."""
 
     def __init__(self, config: OmniKVCacheConfig) -> None:
@@ -156,6 +160,28 @@ class OmniKVTransferManager(KVReceiver):
         validate_kv_tp_topology(topo)
         return topo
 
+    def _session(self, *, sending: bool) -> TransferSession:
+        stages = self.send_stages if sending else self.recv_stages
+        if stages[0] is None or stages[1] is None:
+            if sending:
+                raise ConfigError("sending needs omni_from_stage and omni_to_stage in the config")
+            raise ConfigError(
+                "receiving needs need_recv_cache, a source stage (engine_input_source or "
+                "omni_from_stage) and stage_id"
+            )
+        c = self.config
+        policy = SessionPolicy(
+            c.poll_interval, c.max_poll_interval, c.send_retries, c.retry_backoff, c.max_part_bytes
+        )
+        return TransferSession(
+            self.connector,
+            stages[0],
+            stages[1],
+            policy,
+            send_key_hook=self.kv_send_key_builder,
+            recv_key_hook=self.kv_recv_key_builder,
+        )
+
     # -- send side --------------------------------------------------------------------------
     def extract_kv_cache(
         self,
@@ -170,64 +196,40 @@ class OmniKVTransferManager(KVReceiver):
     ) -> KVCacheTransferData:
         """Extract one request's KV from paged blocks as ``[seq_len, heads, dim]`` per layer."""
         meta = {
-            "block_size": int(block_size),
             "cache_dtype": str(cache_dtype),
             "from_stage": self.send_stages[0],
             "from_rank": self.local_rank,
             "from_tp": self.config.from_tp,
             "to_tp": self.config.to_tp,
         }
-        return extract_request_kv(
+        data = extract_request_kv(
             request_id, block_ids, seq_len, kv_caches, metadata=meta, lazy=lazy
         )
+        if data.metadata["block_size"] != int(block_size):
+            raise ConfigError(
+                f"block_size {block_size} does not match the caches' block size "
+                f"{data.metadata['block_size']}"
+            )
+        return data
 
     def send_kv_cache(self, request_id: str, data: KVCacheTransferData | Any) -> bool:
-        """Send ``data`` to every target rank's key, retrying with backoff; True when all succeeded.
+        """Send ``data`` to every target rank's key (retries and parts: the session's).
 
-        Payloads above ``max_part_bytes`` go out as layer-wise parts (see
-        :mod:`vllm_omni_kv.transfer.parts`; by default only over backends that
-        cannot stream).
+        True when every key was sent; failures are logged. Payloads above
+        ``max_part_bytes`` go out as layer-wise parts (by default only over
+        backends that cannot stream).
         """
-        from_stage, to_stage = self.send_stages
-        if from_stage is None or to_stage is None:
-            raise ConfigError("sending needs omni_from_stage and omni_to_stage in the config")
-        keys = build_rank_aware_send_keys(
-            request_id, from_stage, to_stage, self.topology(sending=True), self.kv_send_key_builder
-        )
-        conn = self.connector
-
-        def put(key: str, part: Any) -> bool:
-            return self._put_with_retry(conn, from_stage, to_stage, key, part)
-
-        limit = self.config.max_part_bytes
-        if limit is None:
-            limit = 0 if conn.supports_streaming else DEFAULT_MAX_PART_BYTES
-        return all(send_parts(put, k, data, limit) for k in keys)
-
-    def _put_with_retry(
-        self, conn: OmniConnectorBase, from_stage: str, to_stage: str, key: str, data: Any
-    ) -> bool:
-        delay = self.config.retry_backoff
-        for attempt in range(1, self.config.send_retries + 1):
+        session = self._session(sending=True)
+        for key in session.send_keys(request_id, self.topology(sending=True)):
             try:
-                ok, size, _meta = conn.put(from_stage, to_stage, key, data)
-                if ok:
-                    logger.debug("sent KV %s (%d bytes, attempt %d)", key, size, attempt)
-                    return True
-                reason = "connector returned failure"
+                size = session.send(key, data)
             except KVPayloadError:
-                raise  # the payload itself is bad: retrying cannot help
-            except Exception as e:
-                reason = f"{type(e).__name__}: {e}"
-            if attempt < self.config.send_retries:
-                logger.warning(
-                    "sending KV %s failed (%s); retry %d in %.2fs", key, reason, attempt, delay
-                )
-                time.sleep(delay * (1 + random.random() * 0.1))
-                delay *= 2
-            else:
-                logger.error("sending KV %s failed after %d attempts: %s", key, attempt, reason)
-        return False
+                raise
+            except OmniKVError as e:
+                logger.error("%s", e)
+                return False
+            logger.debug("sent KV %s (%d bytes)", key, size)
+        return True
 
     def handle_finished_requests_kv_transfer(
         self,
@@ -260,7 +262,113 @@ class OmniKVTransferManager(KVReceiver):
                 logger.error("KV transfer of request %s skipped: bad request info (%s)", req_id, e)
         return sent
 
+    # -- sender endpoints -------------------------------------------------------------------
+    def update_sender_info(
+        self, sender_info: dict[Any, Any], sender_stage_id: str | int | None = None
+    ) -> None:
+        """Record the sender's host and rank-0 ZMQ port (other ranks: the session's rule)."""
+        info = sender_info
+        for k in (sender_stage_id, str(sender_stage_id)):
+            if sender_stage_id is not None and isinstance(sender_info.get(k), dict):
+                info = sender_info[k]
+                break
+        host = info.get("host") or info.get("sender_host")
+        port = info.get("zmq_port") or info.get("sender_zmq_port") or info.get("port")
+        if not host or port is None:
+            raise ConfigError(f"sender_info needs 'host' and 'zmq_port', got keys {sorted(info)}")
+        self._sender_base = (str(host), int(port))
+        if self._connector is not None:
+            self._push_sender_info()
+
+    def _push_sender_info(self) -> None:
+        conn, base = self._connector, self._sender_base
+        if conn is None or base is None or not hasattr(conn, "update_sender_info"):
+            return
+        topo = self.topology(sending=False)
+        rank = self.local_rank if not topo.is_heterogeneous else 0
+        md = sender_endpoint(base[0], base[1], rank)
+        assert md is not None
+        conn.update_sender_info(md["source_host"], md["source_port"])
+
+    def _endpoint(self, from_rank: int | None) -> dict[str, Any] | None:
+        if from_rank is None or self._sender_base is None:
+            return None
+        return sender_endpoint(*self._sender_base, from_rank)
+
     # -- receive side -----------------------------------------------------------------------
+    def receive_kv_cache_for_request(
+        self, request_id: str, target_device: torch.device | None = None
+    ) -> tuple[dict[str, Any] | None, int]:
+        """Receive (and merge/slice for heterogeneous TP) one request's KV; ``(None, 0)`` on timeout.
+
+        Corrupt payloads raise ``KVPayloadError``: waiting longer cannot fix them.
+        """
+        session = self._session(sending=False)
+        topo = self.topology(sending=False)
+        deadline = time.monotonic() + float(self.config.recv_timeout)
+        payloads: list[dict[str, Any]] = []
+        total = 0
+        for key, from_rank in session.recv_keys(request_id, topo):
+            try:
+                obj, moved = session.fetch(key, self._endpoint(from_rank), deadline)
+            except KVTransferTimeout as e:
+                logger.warning("no KV for request %s (key %s): %s", request_id, key, e)
+                return None, 0
+            payloads.append(blocks_to_tokens(obj) if is_block_payload(obj) else obj)
+            total += moved
+        data: dict[str, Any] | None
+        if len(payloads) > 1:
+            data = merge_received_rank_shards(payloads, merger=self.kv_payload_merger)
+        else:
+            data = payloads[0]
+        if topo.target_tp_size > topo.source_tp_size:
+            data = slice_received_rank_shard(data, topo, slicer=self.kv_payload_slicer)
+        if data is not None:
+            data = trim_to_num_tokens(data)
+        if data is not None and target_device is not None:
+            data = to_device(data, target_device)
+        return data, total
+
+    def receive_kv_cache_into(
+        self,
+        request_id: str,
+        kv_caches: list[LayerKV | None],
+        block_ids: list[int],
+        *,
+        layout: str | None = None,
+        start_token: int = 0,
+    ) -> tuple[int, int] | None:
+        """Receive one request's KV straight into a local paged cache.
+
+        Tokens ``[start_token, num_tokens)`` are written into ``block_ids`` (the first
+        ``start_token`` are held locally and do not cross the transport), each part
+        as it arrives; over shared memory, block by block while the sender is still
+        packing. Returns ``(tokens, bytes moved)``, or None on timeout; then, and
+        after any exception, the blocks may hold a partial payload: do not use them.
+        Needs equal source and target TP sizes; use :meth:`receive_kv_cache_for_request`
+        to merge/slice shards.
+        """
+        session = self._session(sending=False)
+        topo = self.topology(sending=False)
+        keys = session.recv_keys(request_id, topo)
+        if len(keys) != 1 or topo.is_heterogeneous:
+            raise ConfigError(
+                "receive_kv_cache_into needs equal source and target TP sizes; "
+                "use receive_kv_cache_for_request for heterogeneous TP"
+            )
+        key, from_rank = keys[0]
+
+        def plan(part: dict[str, Any], layer_start: int) -> Any:
+            local = kv_caches[layer_start : layer_start + part_layer_count(part)]
+            return plan_injection(part, local, block_ids, start_token=start_token, layout=layout)
+
+        deadline = time.monotonic() + float(self.config.recv_timeout)
+        try:
+            return session.receive_into(key, self._endpoint(from_rank), deadline, plan)
+        except KVTransferTimeout as e:
+            logger.warning("incomplete KV for request %s: %s", request_id, e)
+            return None
+
     def receive_kv_cache(self, req: Any, target_device: torch.device | None = None) -> bool:
         """Receive KV for ``req.request_id`` and attach it to ``req`` (legacy interface)."""
         try:
@@ -303,14 +411,15 @@ class OmniKVTransferManager(KVReceiver):
         target_device: torch.device | None = None,
     ) -> bool:
         """Receive the primary KV, then CFG companions through ``cfg_kv_collect_func``."""
-        ok, extras = self._receive_primary_and_companions(req, cfg_kv_collect_func, target_device)
+        ok, extras = self.receive_primary_and_companions(req, cfg_kv_collect_func, target_device)
         if ok and extras:
             _attach_extras(req, extras)
         return ok
 
-    def _receive_primary_and_companions(
+    def receive_primary_and_companions(
         self, req: Any, func: Callable | None, target_device: torch.device | None
     ) -> tuple[bool, dict[str, Any]]:
+        """The primary KV attached to ``req``, and what ``func`` collects for its CFG companions."""
         if not self.receive_kv_cache(req, target_device):
             return False, {}
         cfg_ids = _cfg_request_ids(req)

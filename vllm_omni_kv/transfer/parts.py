@@ -20,8 +20,8 @@ from typing import Any, TypeVar
 import torch
 
 from vllm_omni_kv.errors import KVPayloadError, KVTransferTimeout
-from vllm_omni_kv.transfer.codec import LazyTensor
-from vllm_omni_kv.transfer.payload import KVCacheTransferData
+from vllm_omni_kv.wire.codec import LazyTensor
+from vllm_omni_kv.wire.payload import KVCacheTransferData
 
 PART_INDEX, NUM_PARTS, LAYER_START = "part_index", "num_parts", "layer_start"
 T = TypeVar("T")

@@ -1,0 +1,1 @@
+"""Mooncake Store backend and a loopback ``mooncake_master`` launcher."""

@@ -1,0 +1,1 @@
+"""Shared-memory backend: producer arena, reader, connector."""

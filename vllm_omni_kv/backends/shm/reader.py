@@ -1,0 +1,322 @@
+"""The reading side of the shared-memory backend: mapping producer segments, decoding
+claimed index entries, and following a streamed frame while its producer writes it.
+
+A streamed entry is published once the frame's header is written; the producer
+then advances the segment's ``progress`` after every packed step, each chunk's
+digest already in the trailer (see :mod:`vllm_omni_kv.backends.shm.arena` for the
+file layout). :class:`ShmFrameStream` waits for that counter only as far as the
+requested chunks need, verifies each chunk and hands it to the reader while the
+bytes are still in the CPU cache; header and trailer are checked once the
+producer marks the segment done. Relies on stores becoming visible in program
+order (x86-64 TSO); the shared-memory connector streams only on such CPUs.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import time
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from vllm_omni_kv.backends.shm import arena
+from vllm_omni_kv.errors import KVPayloadError, KVTransferError, KVTransferTimeout
+from vllm_omni_kv.wire import codec
+from vllm_omni_kv.wire.digests import verify_head
+from vllm_omni_kv.wire.stream import ChunkedStream, CompleteStream, PayloadStream, check_cancel
+
+
+class ConsumerMaps:
+    """Mappings of producer segments a consumer has read from, cached by name."""
+
+    def __init__(self, max_maps: int = 64) -> None:
+        self._maps: OrderedDict[str, mmap.mmap] = OrderedDict()
+        self._lock = threading.Lock()
+        self.max_maps = max_maps
+
+    def get(self, name: str) -> mmap.mmap:
+        with self._lock:
+            mm = self._maps.get(name)
+            if mm is not None:
+                self._maps.move_to_end(name)
+                return mm
+        fd = os.open(arena.path(name), os.O_RDWR)
+        try:
+            mm = mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED | arena.POPULATE)
+        finally:
+            os.close(fd)
+        with self._lock:
+            self._maps[name] = mm
+            while len(self._maps) > self.max_maps:
+                _n, old = self._maps.popitem(last=False)
+                arena.close_map(old)
+        return mm
+
+    def drop(self, name: str) -> None:
+        with self._lock:
+            mm = self._maps.pop(name, None)
+        if mm is not None:
+            arena.close_map(mm)
+
+    def close(self) -> None:
+        with self._lock:
+            maps, self._maps = list(self._maps.values()), OrderedDict()
+        for mm in maps:
+            arena.close_map(mm)
+
+
+def peek_index(name: str) -> bytes | None:
+    """The index entry ``name`` without claiming it; None when absent."""
+    try:
+        with open(arena.path(name), "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
+@dataclass
+class Ref:
+    """A decoded ``b"R"`` or ``b"S"`` index entry."""
+
+    seg: str
+    gen: int
+    size: int
+    pooled: bool
+    pid: int
+    stream: bool
+
+
+def parse_ref(entry: bytes) -> Ref | None:
+    """The segment reference of an index entry; None for an inline entry."""
+    tag, body = entry[:1], entry[1:]
+    if tag == b"I":
+        return None
+    if tag not in (b"R", b"S"):
+        raise KVPayloadError(f"corrupt shared-memory index entry (tag {tag!r})")
+    try:
+        r = msgpack.unpackb(body)
+        ref = Ref(r["seg"], r["gen"], r["size"], r["pooled"], r["pid"], tag == b"S")
+    except Exception as e:
+        raise KVPayloadError(f"corrupt shared-memory index entry: {e}") from None
+    if not (isinstance(ref.seg, str) and ref.seg.startswith(arena.SEG_PREFIX)):
+        raise KVPayloadError(f"shared-memory index points outside the arena: {ref.seg!r}")
+    return ref
+
+
+def map_segment(ref: Ref, maps: ConsumerMaps) -> arena.Segment:
+    """The segment ``ref`` points to, checked to hold its generation."""
+    try:
+        mm = maps.get(ref.seg)
+    except FileNotFoundError:
+        raise KVTransferError(
+            f"segment {ref.seg} vanished before it was read (its producer exited or was killed)"
+        ) from None
+    seg = arena.Segment(ref.seg, len(mm) - arena.DATA_OFFSET, mm)
+    state, seg_gen = seg.state()
+    if seg_gen != ref.gen or state == arena.FREE or ref.size > seg.capacity:
+        raise KVPayloadError(
+            f"segment {ref.seg} does not hold the indexed payload (generation {seg_gen}, "
+            f"expected {ref.gen}): it was overwritten or the producer restarted"
+        )
+    return seg
+
+
+def entry_complete(entry: bytes, maps: ConsumerMaps) -> bool:
+    """False while the producer of a streamed entry is still writing it."""
+    ref = parse_ref(entry)
+    if ref is None or not ref.stream:
+        return True
+    try:
+        streaming = map_segment(ref, maps).state()[0] == arena.STREAMING
+    except (KVPayloadError, KVTransferError):
+        return True  # claiming it reports the error
+    return not streaming or not arena.pid_alive(ref.pid)  # a dead writer: claim it to report that
+
+
+def read_entry(entry: bytes, maps: ConsumerMaps, verify: bool = True) -> tuple[Any, int]:
+    """Decode a claimed, complete index entry; tensors are views of the producer's segment."""
+    ref = parse_ref(entry)
+    if ref is None:
+        body = entry[1:]
+        return codec.decode(body, verify=verify), len(body)
+    seg = map_segment(ref, maps)
+    state = seg.state()[0]
+    if state not in (arena.PUBLISHED, arena.ONESHOT):
+        release_claimed(seg, ref, maps)
+        if state == arena.ABORTED:
+            raise KVTransferError(f"the producer of segment {ref.seg} failed while writing it")
+        if state == arena.STREAMING and not arena.pid_alive(ref.pid):
+            raise KVTransferError(
+                f"the producer (pid {ref.pid}) exited while writing segment {ref.seg}"
+            )
+        raise KVTransferError(f"segment {ref.seg} is still being written (state {state})")
+    window = np.frombuffer(seg.mm, dtype=np.uint8, count=ref.size, offset=arena.DATA_OFFSET)
+    try:
+        obj = codec.decode(window, verify=verify)
+    except BaseException:
+        del window
+        release_claimed(seg, ref, maps)
+        raise
+    # When the last view into `window` is gone, hand the segment back to its producer.
+    weakref.finalize(window, release_claimed, seg, ref, maps)
+    return obj, ref.size
+
+
+def release_claimed(
+    seg: arena.Segment, ref: Ref, maps: ConsumerMaps, dead: list[bool] | None = None
+) -> None:
+    """Hand a claimed segment back: free it when its producer is done, else abandon it.
+
+    ``dead[0]`` true (a stream saw its writer exit) always abandons: a writer that
+    only looked dead frees it itself, and sweeping removes a dead one's files.
+    Leaves it alone once it no longer holds ``ref``'s generation in a claimed
+    state (someone else released it, or its producer reserved it again).
+    """
+    try:
+        state, gen = seg.state()
+        if gen != ref.gen:
+            return
+        if (dead is not None and dead[0]) or (ref.stream and state == arena.STREAMING):
+            seg.abandon(ref.gen)  # the producer frees it when it finishes
+        elif not ref.pooled or state in (arena.PUBLISHED, arena.ABORTED):
+            _give_back(seg, ref.pooled, maps)
+    except (ValueError, OSError):  # mapping already closed at interpreter exit
+        pass
+
+
+def _give_back(seg: arena.Segment, pooled: bool, maps: ConsumerMaps) -> None:
+    try:
+        if pooled:
+            seg.set_state(arena.FREE, seg.state()[1])
+        else:
+            maps.drop(seg.name)
+            arena.unlink_quiet(seg.name)
+    except (ValueError, OSError):  # mapping already closed at interpreter exit
+        pass
+
+
+#: spin this long on an idle counter before sleeping between checks (seconds)
+SPIN_S = 0.0005
+#: longest sleep between checks of an idle counter (seconds)
+MAX_NAP_S = 0.001
+#: how often a waiting reader checks that the producer process is alive (seconds)
+ALIVE_EVERY_S = 0.05
+
+
+class ShmFrameStream(ChunkedStream):
+    """A claimed entry read in place; ``load`` verifies just the chunks it hands out.
+
+    For a streamed entry ``load`` follows the producer's ``progress`` only as far as
+    the requested chunks need, and checks header and trailer once the producer
+    finished; a complete entry has them checked when the stream opens. ``moved``
+    counts header, trailer and the chunk bytes read. The segment goes back to its
+    producer when the stream is closed and the last tensor view of ``obj`` is gone
+    (as for ``get``), so views stay valid as long as they are referenced.
+    """
+
+    count_chunks = True
+
+    def __init__(self, seg: arena.Segment, ref: Ref, maps: ConsumerMaps, verify: bool) -> None:
+        self._seg, self._ref = seg, ref
+        self._dead = [False]
+        self._check_head = verify
+        window = np.frombuffer(seg.mm, dtype=np.uint8, count=ref.size, offset=arena.DATA_OFFSET)
+        # runs when the stream is closed and the last view of its frame is gone
+        weakref.finalize(window, release_claimed, seg, ref, maps, self._dead)
+        self.frame_address = int(window.ctypes.data)
+        try:
+            if not ref.stream:
+                self._check(*seg.state())
+            # A streamed frame's prelude and header are final before its entry is
+            # published (the producer later writes only the checksum field); its
+            # trailer is checked once the producer is done.
+            mv = memoryview(window.data)
+            p = codec.read_prelude(mv, ref.size)
+            if verify and p.alg != codec.CHECKSUM_XXH3:
+                raise KVPayloadError("shared-memory frame carries no checksum")
+            info = codec.parse(mv, ref.size, verify_head=verify and not ref.stream)
+            self.moved = info.data_start + (0 if ref.stream else p.trailer_len)
+            self._start(mv, info, verify=verify, deadline=time.monotonic() + 30.0)
+        except BaseException:
+            self.close()
+            raise
+
+    def _wait(
+        self, start: int, need: int, end: int, deadline: float, cancel: threading.Event | None
+    ) -> int:
+        if not self._ref.stream:
+            return end
+        idle_since = time.monotonic()
+        nap = 0.00002
+        next_alive = idle_since + ALIVE_EVERY_S
+        while True:
+            state, gen, progress, _ab = self._seg.full_state()
+            self._check(state, gen)
+            if progress >= need:
+                return min(progress, end)
+            check_cancel(cancel, f"reading segment {self._ref.seg}")
+            now = time.monotonic()
+            if now >= deadline:
+                raise self._timeout(progress)
+            if now >= next_alive:
+                next_alive = now + ALIVE_EVERY_S
+                if not arena.pid_alive(self._ref.pid):
+                    self._dead[0] = True
+                    raise KVTransferError(
+                        f"the producer (pid {self._ref.pid}) exited while writing segment "
+                        f"{self._ref.seg} ({progress} of {self.size} bytes written)"
+                    )
+            if now - idle_since > SPIN_S:
+                time.sleep(min(nap, deadline - now))
+                nap = min(nap * 2, MAX_NAP_S)
+
+    def _finish(self, deadline: float, cancel: threading.Event | None) -> None:
+        if not self._ref.stream:
+            return
+        self._wait(self.size, self.size, self.size, deadline, cancel)  # the producer is done
+        assert self._mv is not None
+        if self._check_head:
+            verify_head(self._mv, self._info.prelude)
+        self.moved += self._info.prelude.trailer_len
+
+    def _check(self, state: int, gen: int) -> None:
+        ok = (
+            (arena.STREAMING, arena.PUBLISHED, arena.ABORTED)
+            if self._ref.stream
+            else (
+                arena.PUBLISHED,
+                arena.ONESHOT,
+            )
+        )
+        if gen != self._ref.gen or state not in ok:
+            raise KVPayloadError(
+                f"segment {self._ref.seg} was released or reused while being read (state "
+                f"{state}, generation {gen}, expected {self._ref.gen})"
+            )
+        if state == arena.ABORTED:
+            raise KVTransferError(
+                f"the producer of segment {self._ref.seg} failed while writing it"
+            )
+
+    def _timeout(self, written: int) -> KVTransferTimeout:
+        return KVTransferTimeout(
+            f"the producer of segment {self._ref.seg} wrote {written} of {self.size} bytes "
+            "before the deadline"
+        )
+
+
+def open_entry_stream(entry: bytes, maps: ConsumerMaps, verify: bool) -> PayloadStream:
+    """A stream over a claimed index entry (inline entries give a ``CompleteStream``)."""
+    ref = parse_ref(entry)
+    if ref is None:
+        return CompleteStream(*read_entry(entry, maps, verify=verify))
+    seg = map_segment(ref, maps)
+    if not ref.stream and seg.state()[0] not in (arena.PUBLISHED, arena.ONESHOT):
+        return CompleteStream(*read_entry(entry, maps, verify=verify))  # reports why
+    return ShmFrameStream(seg, ref, maps, verify)

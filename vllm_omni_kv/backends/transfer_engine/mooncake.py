@@ -1,0 +1,189 @@
+"""``MooncakeTransferEngineConnector``: pull-based KV transfer over Mooncake Transfer Engine.
+
+The receiver pulls from the sender's registered pool with
+``TransferEngine.transfer_sync_read`` (RDMA, or TCP on hosts without RDMA),
+after learning address and size over a ZMQ side channel; see
+:mod:`vllm_omni_kv.backends.transfer_engine.pull` for the protocol, pulls by N
+receivers (``max_pulls``), TTL expiry and timeouts.
+
+Config keys: ``role`` (sender / receiver / dual), ``host`` ("auto": this
+host's outbound IP), ``protocol`` ("rdma" | "tcp"), ``device_name`` (RDMA NIC,
+"" = auto), ``metadata_server`` ("P2PHANDSHAKE", or an etcd / http metadata
+URL), ``memory_pool_size`` (bytes, default 1 GiB), ``memory_pool_device``
+("cpu" or "cuda[:N]"), ``zmq_port`` (base side-channel port, per stage / rank
+via ``kv_zmq_port`` when ``from_stage`` is set; 0 = random), ``sender_host`` /
+``sender_zmq_port`` (default sender for receivers), ``max_pulls`` (pulls per
+put before the block is freed; 0 = until cleanup/TTL), ``buffer_ttl_s``,
+``transfer_timeout_s``, ``side_channel_timeout_s``, ``get_timeout_s`` (how long
+``get`` keeps asking for a key that is not there yet), ``raise_on_timeout``
+(raise ``KVTransferTimeout`` instead of logging and returning None),
+``lease_slack_s``, ``frame_checksum`` (xxh3 over packed objects, default True;
+RDMA/TCP already protect the bytes in flight), ``tcp_progress_timeout_s``
+(default 3: Mooncake's TCP transport drops a connection that moves no byte for
+this long, and the pull is retried on a fresh one; it sets
+``MC_TCP_PROGRESS_TIMEOUT_SEC`` unless that is already in the environment).
+
+Inside vLLM's CPU workers, pulls used to stall for seconds: the worker pins its
+busy-waiting main thread to one core and the transfer engine's I/O threads
+inherited that pin. The connector now starts backend threads on the process's
+other CPUs (``transfer_cpus``, see :mod:`vllm_omni_kv.connector.affinity`); the
+progress timeout stays as a safety net for stalls of the TCP transport itself
+(e.g. upstream kvcache-ai/Mooncake#4209), turning one into a ~3 s retry.
+
+Packages: ``pip install mooncake-transfer-engine`` (CUDA builds) or
+``pip install mooncake-transfer-engine-non-cuda`` (CPU-only hosts).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from vllm_omni_kv.backends.pool import ManagedBuffer
+from vllm_omni_kv.backends.transfer_engine.pull import EngineAdapter, PullTransferConnector
+from vllm_omni_kv.errors import BackendUnavailable, KVTransferError
+from vllm_omni_kv.logger import init_logger
+
+logger = init_logger(__name__)
+
+INSTALL_HINT = (
+    "pip install mooncake-transfer-engine-non-cuda (CPU-only hosts) or "
+    "pip install mooncake-transfer-engine (CUDA hosts)"
+)
+
+
+def import_engine() -> Any:
+    """``mooncake.engine.TransferEngine``, or ``BackendUnavailable`` naming the package."""
+    try:
+        from mooncake.engine import TransferEngine
+    except ImportError as e:
+        raise BackendUnavailable(
+            f"the Mooncake transfer engine is not importable ({e}); install it with: {INSTALL_HINT}"
+        ) from e
+    return TransferEngine
+
+
+class MooncakeEngine:
+    """Adapter from the Mooncake ``TransferEngine`` binding to :class:`EngineAdapter`."""
+
+    def __init__(
+        self,
+        host: str,
+        protocol: str = "rdma",
+        device_name: str = "",
+        metadata_server: str = "P2PHANDSHAKE",
+        rpc_port: int | None = None,
+        progress_timeout_s: float | None = None,
+    ) -> None:
+        if progress_timeout_s is not None:  # bounds a TCP transfer that stops progressing
+            os.environ.setdefault(
+                "MC_TCP_PROGRESS_TIMEOUT_SEC", str(max(1, round(progress_timeout_s)))
+            )
+        engine_cls = import_engine()
+        self.engine = engine_cls()
+        local_name = host if rpc_port is None else f"{host}:{rpc_port}"
+        ret = self.engine.initialize(local_name, metadata_server, protocol, device_name)
+        if ret != 0:
+            raise BackendUnavailable(
+                f"Mooncake TransferEngine.initialize({local_name!r}, {metadata_server!r}, "
+                f"{protocol!r}, {device_name!r}) failed with code {ret}. For protocol 'rdma' "
+                "check device_name and that RDMA NICs are present; on hosts without RDMA use "
+                "protocol='tcp'. A non-P2PHANDSHAKE metadata_server must be reachable."
+            )
+        if metadata_server == "P2PHANDSHAKE":
+            self.session = f"{host}:{self.engine.get_rpc_port()}"
+        else:
+            self.session = local_name
+
+    def register(self, addr: int, size: int) -> None:
+        ret = self.engine.register_memory(addr, size)
+        if ret != 0:
+            raise KVTransferError(
+                f"Mooncake register_memory({addr:#x}, {size}) failed with code {ret}: the pool "
+                "could not be registered (memlock limits? try a smaller memory_pool_size)"
+            )
+
+    def unregister(self, addr: int) -> None:
+        self.engine.unregister_memory(addr)
+
+    def read(self, session: str, local_addr: int, remote_addr: int, length: int) -> None:
+        ret = self.engine.transfer_sync_read(session, local_addr, remote_addr, length)
+        if ret < 0:
+            raise KVTransferError(
+                f"Mooncake transfer_sync_read of {length} bytes from {session} failed ({ret}): "
+                "the sender is gone or its buffer is no longer registered"
+            )
+
+    def close(self) -> None:
+        self.engine = None  # the binding has no explicit shutdown; dropping it stops its threads
+
+
+class MooncakeTransferEngineConnector(PullTransferConnector):
+    """Omni connector over the Mooncake Transfer Engine with a managed, registered pool."""
+
+    backend_name = "mooncake_te"
+
+    def _make_engine(self) -> EngineAdapter:
+        cfg = self.config
+        rpc_port = cfg.get("rpc_port")
+        return MooncakeEngine(
+            self.host,
+            protocol=str(cfg.get("protocol", "rdma")),
+            device_name=str(cfg.get("device_name", "")),
+            metadata_server=str(cfg.get("metadata_server", "P2PHANDSHAKE")),
+            rpc_port=None if rpc_port is None else int(rpc_port),
+            progress_timeout_s=min(
+                self.transfer_timeout_s, float(cfg.get("tcp_progress_timeout_s", 3.0))
+            ),
+        )
+
+    @property
+    def protocol(self) -> str:
+        return str(self.config.get("protocol", "rdma"))
+
+    @property
+    def device_name(self) -> str:
+        return str(self.config.get("device_name", ""))
+
+
+def selftest() -> dict[str, Any]:
+    """Loopback round trip (tensor + object) through one dual-role connector on 127.0.0.1/tcp."""
+    try:
+        import torch
+
+        cfg = {
+            "role": "dual",
+            "host": "127.0.0.1",
+            "protocol": "tcp",
+            "zmq_port": 0,
+            "memory_pool_size": 8 << 20,
+            "transfer_timeout_s": 10.0,
+        }
+        conn = MooncakeTransferEngineConnector(cfg)
+        try:
+            t = torch.arange(1024, dtype=torch.float32)
+            ok, size, meta = conn.put("0", "1", "selftest-t", t)
+            got = conn.get("0", "1", "selftest-t", meta)
+            if not ok or got is None:
+                return {"ok": False, "detail": "tensor round trip returned nothing"}
+            buf = got[0]
+            assert isinstance(buf, ManagedBuffer)
+            with buf:
+                same = torch.equal(buf.to_tensor(), t)
+            ok2, _, _ = conn.put("0", "1", "selftest-o", {"x": t, "s": "hi"})
+            got2 = conn.get(
+                "0", "1", "selftest-o", {"source_host": "127.0.0.1", "source_port": conn.zmq_port}
+            )
+            same2 = (
+                ok2 and got2 is not None and torch.equal(got2[0]["x"], t) and got2[0]["s"] == "hi"
+            )
+            if not (same and same2):
+                return {"ok": False, "detail": "round trip returned different data"}
+            return {
+                "ok": True,
+                "detail": f"tcp loopback via {conn.engine.session}: {size} B tensor + object",
+            }
+        finally:
+            conn.close()
+    except Exception as e:
+        return {"ok": False, "detail": f"{type(e).__name__}: {e}"}

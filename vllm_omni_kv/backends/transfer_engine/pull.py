@@ -1,0 +1,454 @@
+"""Pull-based transfer-engine connector: the logic shared by Mooncake TE and Yuanrong TE.
+
+Data path (sender -> receiver):
+
+1. ``put`` places the payload in the sender's registered pool: a
+   ``ManagedBuffer`` of that pool is exposed as is (zero copy), a tensor or
+   bytes are copied once, any other object is laid out with
+   :func:`codec.encode` and packed straight into the pool (one copy).
+2. ``open_stream``: the receiver learns address, size and kind over the ZMQ
+   side channel (``acquire`` grants a lease so the TTL sweeper cannot free the
+   block mid-transfer), allocates a block of its own pool sized for the whole
+   frame and pulls just prelude, header and digest trailer with the engine's
+   synchronous read; ``load(spans)`` pulls only the chunks covering ``spans``
+   (see :mod:`.pull_stream`). Every read is bounded by ``transfer_timeout_s``.
+   Leases are held per receiver thread: when a busy sender answers an acquire
+   after the receiver gave up waiting, the receiver's retry replaces that orphan
+   lease instead of finding the key "exhausted" until the lease lapses.
+3. ``release`` (end of the load, or ``close``) tells the sender the pull
+   finished; its reply confirms the block was still live for the whole pull.
+   The block is freed after ``max_pulls`` releases (``0``: kept until
+   ``cleanup``/TTL), so one sender can feed N receivers. ``discard`` acquires
+   and releases without pulling.
+
+Buffers never pulled are freed ``buffer_ttl_s`` after ``put``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+import time
+import uuid
+from typing import Any
+
+from vllm_omni_kv.backends.base import OmniConnectorBase
+from vllm_omni_kv.backends.keys import edge_key, is_request_key
+from vllm_omni_kv.backends.net import local_ip
+from vllm_omni_kv.backends.pool import MemoryPool
+from vllm_omni_kv.backends.stats import COMMON, Counters
+from vllm_omni_kv.backends.transfer_engine.exposure import ExposureTable
+from vllm_omni_kv.backends.transfer_engine.pull_stream import (
+    EngineAdapter,
+    Lease,
+    Puller,
+    PullFailed,
+    PullFrameStream,
+    RawPullStream,
+)
+from vllm_omni_kv.backends.transfer_engine.side_channel import (
+    SideChannelClient,
+    SideChannelServer,
+    sender_zmq_port,
+)
+from vllm_omni_kv.backends.transfer_engine.staging import sized, stage_in_pool
+from vllm_omni_kv.errors import ConfigError, KVTransferError, KVTransferTimeout
+from vllm_omni_kv.logger import init_logger
+from vllm_omni_kv.wire.stream import PayloadStream
+
+logger = init_logger(__name__)
+
+ROLES = ("sender", "receiver", "dual")
+
+__all__ = ["ROLES", "EngineAdapter", "PullTransferConnector"]
+
+
+class PullTransferConnector(OmniConnectorBase):
+    """Shared implementation; subclasses provide ``_make_engine``."""
+
+    backend_name = "transfer-engine"
+
+    def __init__(self, config: dict[str, Any] | None = None) -> None:
+        self._closed = True  # until fully constructed (``__del__`` safety)
+        self.config = dict(config or {})
+        cfg = self.config
+        self.role = str(cfg.get("role", "sender"))
+        if self.role not in ROLES:
+            raise ConfigError(f"role must be one of {ROLES}, got {self.role!r}")
+        self.can_put = self.role in ("sender", "dual")
+        self.can_get = self.role in ("receiver", "dual")
+        host = str(cfg.get("host", "auto"))
+        self.host = local_ip() if host.lower() in ("", "auto", "0.0.0.0") else host
+        try:
+            self.pool_size = int(cfg.get("memory_pool_size", 1024**3))
+            self.max_pulls = int(cfg.get("max_pulls", 1))
+            self.buffer_ttl_s = float(cfg.get("buffer_ttl_s", 300.0))
+            self.transfer_timeout_s = float(cfg.get("transfer_timeout_s", 30.0))
+            self.side_channel_timeout_s = float(cfg.get("side_channel_timeout_s", 5.0))
+            self.get_timeout_s = float(cfg.get("get_timeout_s", 0.0))
+            self.raise_on_timeout = bool(cfg.get("raise_on_timeout", False))
+            self.frame_checksum = bool(cfg.get("frame_checksum", True))
+            lease_slack_s = float(cfg.get("lease_slack_s", 5.0))
+            self.zmq_port = sender_zmq_port(cfg) if self.can_put else 0
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{type(self).__name__}: bad numeric setting: {e}") from None
+        if self.max_pulls < 0 or self.buffer_ttl_s <= 0 or self.transfer_timeout_s <= 0:
+            raise ConfigError(
+                "max_pulls >= 0, buffer_ttl_s > 0 and transfer_timeout_s > 0 required"
+            )
+        self.pool_device = str(cfg.get("memory_pool_device", "cpu"))
+        self.engine_id = uuid.uuid4().hex
+        self.sender_host: str | None = cfg.get("sender_host")
+        sp = cfg.get("sender_zmq_port")
+        self.sender_zmq_port: int | None = None if sp is None else int(sp)
+        self._rank_senders: dict[int, tuple[str, int]] = {}
+        self._exposed = ExposureTable(self.buffer_ttl_s, self.max_pulls, lease_slack_s)
+        self._stats = Counters(*COMMON, "timeouts", "failures")
+        self._server: SideChannelServer | None = None
+        self._client: SideChannelClient | None = None
+        self._executor: cf.ThreadPoolExecutor | None = None
+        self.engine: EngineAdapter = self._make_engine()
+        try:
+            self.pool = MemoryPool(self.pool_size, self.pool_device)
+            self.allocator = self.pool.allocator
+            self.base_ptr = self.pool.base_ptr
+            self._host_pool = self.pool.device.type == "cpu"
+            self.engine.register(self.base_ptr, self.pool.size)
+        except BaseException:
+            self.engine.close()
+            raise
+        self.rpc_port = int(self.engine.session.rsplit(":", 1)[1])
+        try:
+            if self.can_put:
+                self._server = SideChannelServer(
+                    self.host,
+                    self.zmq_port,
+                    self._handle,
+                    on_idle=self._exposed.sweep,
+                    idle_interval_s=min(0.5, self.buffer_ttl_s / 4),
+                )
+                self.zmq_port = self._server.port
+            self._client = SideChannelClient(self.side_channel_timeout_s)
+            self._executor = cf.ThreadPoolExecutor(4, thread_name_prefix="omnikv-pull")
+            self._puller = Puller(self.engine, self._executor, self.transfer_timeout_s)
+        except BaseException:
+            self._shutdown()
+            raise
+        self._closed = False
+
+    # -- subclass hook -------------------------------------------------------------
+    def _make_engine(self) -> EngineAdapter:
+        raise NotImplementedError
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise KVTransferError(f"{type(self).__name__} is closed; create a new connector")
+
+    # -- producer side ---------------------------------------------------------------
+    def put(
+        self, from_stage: str, to_stage: str, put_key: str, data: Any
+    ) -> tuple[bool, int, dict[str, Any] | None]:
+        """Expose ``data`` for pulling; raises ``KVTransferError`` when the pool is full."""
+        self._check_open()
+        if not self.can_put:
+            raise KVTransferError(
+                f"this connector's role is {self.role!r}: it cannot put; use role 'sender' or 'dual'"
+            )
+        key = edge_key(put_key, from_stage, to_stage)
+        buf, size, fast, dtype, shape = stage_in_pool(self.pool, data, checksum=self.frame_checksum)
+        entry = self._exposed.add(key, buf, size, fast, dtype, shape)
+        self._stats.add("puts")
+        self._stats.add("bytes_put", size)
+        meta = {
+            "source_host": self.host,
+            "source_port": self.zmq_port,
+            "data_size": size,
+            "is_fast_path": fast,
+            "src_addr": buf.address,
+            "session": self.engine.session,
+            "token": entry.token,
+            "dtype": dtype,
+            "shape": shape,
+        }
+        return True, size, meta
+
+    def _handle(self, msg: dict[str, Any]) -> dict[str, Any]:
+        op = msg.get("op")
+        if op == "acquire":
+            holder = msg.get("holder")
+            reply = self._exposed.acquire(
+                str(msg.get("key", "")),
+                float(msg.get("lease_s", self.transfer_timeout_s)),
+                None if holder is None else str(holder),
+            )
+            if reply["ok"]:
+                reply["session"] = self.engine.session
+            return reply
+        if op == "release":
+            lease = msg.get("lease")
+            return self._exposed.release(
+                str(msg.get("token", "")),
+                None if lease is None else str(lease),
+                bool(msg.get("success", True)),
+            )
+        if op == "ping":
+            return {"ok": True, "engine_id": self.engine_id, "session": self.engine.session}
+        return {"ok": False, "reason": "error", "error": f"unknown side-channel op {op!r}"}
+
+    def retain(self, from_stage: str, to_stage: str, put_key: str, pulls: int = 1) -> bool:
+        """Allow ``pulls`` more receivers to pull ``put_key`` (and restart its TTL)."""
+        return self._exposed.retain(edge_key(put_key, from_stage, to_stage), pulls)
+
+    def release(self, from_stage: str, to_stage: str, put_key: str) -> None:
+        """Stop exposing ``put_key``; the block is freed once in-flight pulls finish."""
+        self.cleanup(put_key, from_stage, to_stage)
+
+    def cleanup(
+        self, request_id: str, from_stage: str | None = None, to_stage: str | None = None
+    ) -> None:
+        """Free the producer-side blocks of ``request_id`` (every edge unless both stages given)."""
+        if from_stage is not None and to_stage is not None:
+            key = edge_key(request_id, from_stage, to_stage)
+            self._exposed.retire_where(lambda k: k == key)
+        else:
+            self._exposed.retire_where(lambda k: is_request_key(k, request_id))
+
+    # -- consumer side -----------------------------------------------------------------
+    def update_sender_info(
+        self, sender_host: str, sender_zmq_port: int, sender_rank: int | None = None
+    ) -> None:
+        """Set the default sender (``sender_rank=None``) or the endpoint of one sender rank."""
+        if sender_rank is None:
+            self.sender_host, self.sender_zmq_port = sender_host, int(sender_zmq_port)
+        else:
+            self._rank_senders[int(sender_rank)] = (sender_host, int(sender_zmq_port))
+
+    def _endpoint(self, metadata: dict[str, Any] | None) -> str:
+        md = metadata or {}
+        if md.get("source_host") and md.get("source_port"):
+            return f"tcp://{md['source_host']}:{int(md['source_port'])}"
+        rank = md.get("sender_rank", md.get("from_rank"))
+        if rank is not None and int(rank) in self._rank_senders:
+            h, p = self._rank_senders[int(rank)]
+            return f"tcp://{h}:{p}"
+        if self.sender_host and self.sender_zmq_port:
+            return f"tcp://{self.sender_host}:{self.sender_zmq_port}"
+        raise KVTransferError(
+            "no sender endpoint known for get(): pass metadata with source_host/source_port, "
+            "or call update_sender_info(host, zmq_port) first"
+        )
+
+    def _check_get(self) -> None:
+        self._check_open()
+        if not self.can_get:
+            raise KVTransferError(
+                f"this connector's role is {self.role!r}: it cannot get; use role 'receiver' or 'dual'"
+            )
+
+    def _locate(
+        self, key: str, endpoint: str, metadata: dict[str, Any] | None
+    ) -> tuple[dict[str, Any], str | None] | None:
+        """The block's address, size and kind, plus a lease (unless ``metadata`` has them all).
+
+        None when the key is not there (yet); side-channel timeouts are reported by
+        :meth:`_timed_out`.
+        """
+        md = dict(metadata or {})
+        if all(md.get(k) is not None for k in ("data_size", "src_addr", "session", "token")):
+            return md, None
+        try:
+            info = self._acquire(endpoint, key)
+        except KVTransferTimeout as e:
+            self._timed_out(e)
+            return None
+        if info is None:
+            self._stats.add("misses")
+            return None
+        md.update(info)
+        return md, info["lease"]
+
+    def open_stream(
+        self,
+        from_stage: str,
+        to_stage: str,
+        get_key: str,
+        metadata: dict[str, Any] | None = None,
+    ) -> PayloadStream | None:
+        """Lease ``get_key`` and pull its prelude, header and digest trailer; ``load`` pulls
+        the chunks it needs. None when absent or after a bounded timeout (logged; raised
+        with ``raise_on_timeout``). A raw buffer put on the fast path opens a stream whose
+        ``obj`` is the receiving :class:`ManagedBuffer` (the caller releases it)."""
+        self._check_get()
+        key = edge_key(get_key, from_stage, to_stage)
+        endpoint = self._endpoint(metadata)
+        found = self._locate(key, endpoint, metadata)
+        if found is None:
+            return None
+        md, lease_id = found
+        size, session, src = int(md["data_size"]), str(md["session"]), int(md["src_addr"])
+        lease = Lease(
+            lambda ok: self._release_remote(endpoint, key, md["token"], lease_id, success=ok)
+        )
+        try:
+            local = self.pool.alloc(max(size, 1))
+        except KVTransferError:
+            lease.end(False)
+            raise
+        fast = bool(md.get("is_fast_path", True))
+        stream: PayloadStream
+        try:
+            if fast or not self._host_pool:
+                stream = RawPullStream(
+                    self._puller, session, src, size, local, lease, what=repr(key), frame=not fast
+                )
+                if fast:
+                    local = sized(local, size)
+                    local.dtype_name, local.shape = md.get("dtype"), md.get("shape")
+            else:
+                deadline = time.monotonic() + self.transfer_timeout_s
+                stream = PullFrameStream(
+                    self._puller,
+                    session,
+                    src,
+                    size,
+                    local,
+                    lease,
+                    what=repr(key),
+                    deadline=deadline,
+                )
+        except KVTransferTimeout as e:
+            self._timed_out(e)
+            return None
+        except PullFailed:
+            self._stats.add("failures")
+            raise
+        self._stats.add("gets")
+        self._stats.add("bytes_got", size)
+        return stream
+
+    def get(
+        self, from_stage: str, to_stage: str, get_key: str, metadata: dict[str, Any] | None = None
+    ) -> tuple[Any, int] | None:
+        """Pull ``get_key``; ``(ManagedBuffer, size)`` for tensors/bytes (caller releases),
+        ``(object, size)`` otherwise; None when absent or on a bounded failure."""
+        try:
+            stream = self.open_stream(from_stage, to_stage, get_key, metadata)
+            if stream is None:
+                return None
+            with stream:
+                for _ in stream.load(None, time.monotonic() + self.transfer_timeout_s):
+                    pass
+                return stream.obj, stream.size
+        except KVTransferTimeout as e:
+            self._timed_out(e)
+            return None
+        except PullFailed as e:
+            self._stats.add("failures")
+            logger.error("%s; returning None", e)
+            return None
+
+    def discard(
+        self, from_stage: str, to_stage: str, key: str, metadata: dict[str, Any] | None = None
+    ) -> bool:
+        """Acquire and release ``key`` without pulling: the sender frees the block once its
+        ``max_pulls`` releases are in. True when the key was there."""
+        self._check_get()
+        bkey = edge_key(key, from_stage, to_stage)
+        endpoint = self._endpoint(metadata)
+        found = self._locate(bkey, endpoint, metadata)
+        if found is None:
+            return False
+        md, lease_id = found
+        self._release_remote(endpoint, bkey, md["token"], lease_id, success=True)
+        return True
+
+    def _timed_out(self, err: KVTransferTimeout) -> None:
+        self._stats.add("timeouts")
+        if self.raise_on_timeout:
+            raise err
+        logger.error("%s; returning None", err)
+        return None
+
+    def _acquire(self, endpoint: str, key: str) -> dict[str, Any] | None:
+        assert self._client is not None
+        deadline = time.monotonic() + self.get_timeout_s
+        delay = 0.005
+        # one thread's gets are sequential: naming (engine, thread) as the holder lets the
+        # sender replace a lease this thread abandoned when an earlier acquire timed out
+        msg = {
+            "op": "acquire",
+            "key": key,
+            "lease_s": self.transfer_timeout_s,
+            "holder": f"{self.engine_id}:{threading.get_ident()}",
+        }
+        while True:
+            reply = self._client.request(endpoint, msg)
+            if reply.get("ok"):
+                return reply
+            if reply.get("reason") == "error":
+                raise KVTransferError(f"sender at {endpoint} failed: {reply.get('error')}")
+            if time.monotonic() + delay > deadline:
+                return None
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)
+
+    def _release_remote(
+        self, endpoint: str, key: str, token: str, lease: str | None, success: bool
+    ) -> bool:
+        assert self._client is not None
+        try:
+            reply = self._client.request(
+                endpoint,
+                {"op": "release", "key": key, "token": token, "lease": lease, "success": success},
+            )
+        except KVTransferError as e:
+            logger.warning("could not confirm pull of %r with its sender: %s", key, e)
+            return False
+        return bool(reply.get("ok"))
+
+    # -- lifecycle / introspection -----------------------------------------------------
+    def get_connection_info(self) -> dict[str, Any]:
+        return {
+            "host": self.host,
+            "zmq_port": self.zmq_port,
+            "rpc_port": self.rpc_port,
+            "session": self.engine.session,
+            "engine_id": self.engine_id,
+            "role": self.role,
+            "backend": self.backend_name,
+        }
+
+    def health(self) -> dict[str, Any]:
+        stats = self._stats.snapshot()
+        out: dict[str, Any] = {
+            "status": "closed" if self._closed else "healthy",
+            "backend": self.backend_name,
+            "role": self.role,
+            **self._exposed.counts(),
+            **stats,
+            **self.get_connection_info(),
+        }
+        if not self._closed:
+            out.update(self.pool.stats())
+        return out
+
+    def close(self) -> None:
+        """Stop the side channel, free exposed blocks, unregister the pool; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        if self._client is not None:
+            self._client.close()
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+        self._exposed.free_all()
+        try:
+            self.engine.unregister(self.base_ptr)
+        except Exception as e:
+            logger.debug("unregister_memory failed during close: %s", e)
+        self.engine.close()

@@ -1,0 +1,279 @@
+"""Receive streams of the pull connector: ranged engine reads into a local pool block.
+
+:class:`PullFrameStream` pulls a frame's prelude, header and digest trailer when
+it opens, then ``load(spans)`` pulls only the chunk-aligned byte ranges covering
+``spans`` (one engine read per merged range) and verifies each chunk before it is
+handed out. ``moved`` counts the bytes pulled. The local block is sized for the
+whole frame and freed once the stream is closed and no tensor view of ``obj``
+(and no engine read still running into it) remains. :class:`RawPullStream` pulls
+a raw buffer (a tensor or bytes put on the fast path) in one read.
+
+Each stream holds its sender's lease from open to close: the load's end (or
+``close``) releases it; a failed load releases it as unsuccessful so that the
+sender keeps the block for a retry.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import ctypes
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
+
+from vllm_omni_kv.backends.pool import ManagedBuffer
+from vllm_omni_kv.errors import KVTransferError, KVTransferTimeout
+from vllm_omni_kv.wire import codec
+from vllm_omni_kv.wire.stream import ALL_READY, ChunkedStream, PayloadStream, Span, check_cancel
+
+#: a frame at most this large is pulled in one read when its stream opens
+SMALL_FRAME = 64 << 10
+#: the first read of a larger frame: prelude and (usually all of) the header
+HEAD_PULL = 16 << 10
+#: how often a waiting load checks its cancel event (seconds)
+CANCEL_POLL_S = 0.001
+
+
+class EngineAdapter(Protocol):
+    """The few engine operations the connector needs."""
+
+    session: str  # "host:rpc_port" that peers pass as target_hostname
+
+    def register(self, addr: int, size: int) -> None: ...
+    def unregister(self, addr: int) -> None: ...
+    def read(self, session: str, local_addr: int, remote_addr: int, length: int) -> None: ...
+    def close(self) -> None: ...
+
+
+class PullFailed(KVTransferError):
+    """An engine read failed, or the sender freed the block during the pull."""
+
+
+def _engine_read(
+    engine: EngineAdapter, session: str, local: int, remote: int, n: int, _keep: Any
+) -> None:
+    engine.read(session, local, remote, n)  # ``_keep`` pins the destination until it ends
+
+
+class Puller:
+    """Engine reads on a thread pool, each bounded by a timeout and a cancel event; a
+    stalled read is abandoned (it keeps its destination alive until it ends)."""
+
+    def __init__(self, engine: EngineAdapter, executor: cf.ThreadPoolExecutor, timeout_s: float):
+        self.engine, self.executor, self.timeout_s = engine, executor, timeout_s
+
+    def read(
+        self,
+        session: str,
+        local: int,
+        remote: int,
+        n: int,
+        deadline: float,
+        cancel: threading.Event | None,
+        *,
+        what: str,
+        keep: Any = None,
+        on_abandon: Callable[[], None] | None = None,
+    ) -> None:
+        try:
+            fut = self.executor.submit(_engine_read, self.engine, session, local, remote, n, keep)
+        except RuntimeError:
+            raise KVTransferError("the connector is closed; create a new one") from None
+        limit = min(deadline, time.monotonic() + self.timeout_s)
+        while True:
+            now = time.monotonic()
+            try:
+                wait = limit - now if cancel is None else min(CANCEL_POLL_S, limit - now)
+                fut.result(timeout=max(0.0, wait))
+                return
+            except cf.TimeoutError:
+                pass
+            except Exception as e:
+                raise PullFailed(f"pull of {what} ({n} bytes) from {session} failed: {e}") from None
+            cancelled = cancel is not None and cancel.is_set()
+            if cancelled or time.monotonic() >= limit:
+                if on_abandon is not None:
+                    fut.add_done_callback(lambda _f: on_abandon())
+                check_cancel(cancel, f"the pull of {what}")
+                raise KVTransferTimeout(
+                    f"pull of {what} ({n} bytes) from {session} stalled past "
+                    f"transfer_timeout_s={self.timeout_s:.1f}s or the load's deadline"
+                )
+
+
+class Lease:
+    """The sender's hold on a block for one receiver; ``end`` tells the sender once."""
+
+    def __init__(self, end: Callable[[bool], bool]) -> None:
+        self._end = end
+        self.ended = False
+
+    def end(self, success: bool) -> bool:
+        """Release it; True when the block stayed live for the whole pull."""
+        if self.ended:
+            return True
+        self.ended = True
+        return self._end(success)
+
+
+class PullFrameStream(ChunkedStream):
+    """A frame pulled range by range into ``local`` (a host pool block)."""
+
+    def __init__(
+        self,
+        puller: Puller,
+        session: str,
+        src_addr: int,
+        size: int,
+        local: ManagedBuffer,
+        lease: Lease,
+        *,
+        what: str,
+        deadline: float,
+        cancel: threading.Event | None = None,
+    ) -> None:
+        self._puller, self._session, self._src, self._lease = puller, session, src_addr, lease
+        self._what = what
+        view = (ctypes.c_char * size).from_address(local.address)
+        weakref.finalize(view, local.release)  # with the last view (and the last engine read)
+        self._view: Any = view
+        self.frame_address = self._base = local.address
+        self.size = size
+        try:
+            mv = memoryview(view).cast("B")
+            self._mv = mv
+            have = size if size <= SMALL_FRAME else min(size, HEAD_PULL)
+            self._pull(0, have, deadline, cancel)
+            p = codec.read_prelude(mv, size)
+            if p.data_start > have:
+                self._pull(have, p.data_start, deadline, cancel)
+                have = p.data_start
+            if p.total > have:
+                self._pull(max(have, p.trailer_start), p.total, deadline, cancel)
+            self._whole = have >= p.total
+            info = codec.parse(mv, size, verify_head=p.alg == codec.CHECKSUM_XXH3)
+            self._start(mv, info, verify=True, deadline=deadline, cancel=cancel)
+        except BaseException:
+            self._lease.end(False)
+            self.close()
+            raise
+
+    def _pull(self, start: int, end: int, deadline: float, cancel: threading.Event | None) -> None:
+        if end <= start:
+            return
+        self._puller.read(
+            self._session,
+            self._base + start,
+            self._src + start,
+            end - start,
+            deadline,
+            cancel,
+            what=self._what,
+            keep=self._view,
+        )
+        self.moved += end - start
+
+    def _wait(
+        self, start: int, need: int, end: int, deadline: float, cancel: threading.Event | None
+    ) -> int:
+        if not self._whole:
+            self._pull(start, end, deadline, cancel)
+        return end
+
+    def load(
+        self,
+        spans: Sequence[Span] | None,
+        deadline: float,
+        cancel: threading.Event | None = None,
+    ) -> Iterator[int]:
+        try:
+            yield from super().load(spans, deadline, cancel)
+        except GeneratorExit:
+            raise
+        except BaseException:
+            self._lease.end(False)  # the sender keeps the block for a retry
+            raise
+
+    def _finish(self, deadline: float, cancel: threading.Event | None) -> None:
+        if not self._lease.end(True):
+            raise PullFailed(
+                f"{self._what} expired or was cleaned up on the sender during the pull"
+            )
+
+    def close(self) -> None:
+        self._lease.end(True)
+        super().close()
+        self._view = None
+
+
+class RawPullStream(PayloadStream):
+    """A raw buffer (or a frame in a device pool) pulled in one read by ``load``.
+
+    ``obj`` is the pulled :class:`ManagedBuffer` (the caller releases it), or for a
+    frame in a device pool the decoded object; ``frame_address`` is None.
+    """
+
+    def __init__(
+        self,
+        puller: Puller,
+        session: str,
+        src_addr: int,
+        size: int,
+        local: ManagedBuffer,
+        lease: Lease,
+        *,
+        what: str,
+        frame: bool = False,
+    ) -> None:
+        self._puller, self._session, self._src, self._lease = puller, session, src_addr, lease
+        self._local, self._what, self._frame = local, what, frame
+        self.size = size
+        self.obj = None if frame else local
+        self._loaded = self._started = self._in_flight = False
+
+    def load(
+        self,
+        spans: Sequence[Span] | None,
+        deadline: float,
+        cancel: threading.Event | None = None,
+    ) -> Iterator[int]:
+        if self._started:
+            raise KVTransferError("a stream's load() / ready() can be iterated only once")
+        self._started = True
+        check_cancel(cancel, "the load")
+        try:
+            if self.size:
+                self._puller.read(
+                    self._session,
+                    self._local.address,
+                    self._src,
+                    self.size,
+                    deadline,
+                    cancel,
+                    what=self._what,
+                    on_abandon=self._local.release,
+                )
+            self.moved = self.size
+        except BaseException as e:
+            self._in_flight = isinstance(e, KVTransferTimeout)  # released when the read ends
+            self._lease.end(False)
+            raise
+        if not self._lease.end(True):
+            raise PullFailed(
+                f"{self._what} expired or was cleaned up on the sender during the pull"
+            )
+        if self._frame:  # a device pool: decode a private copy (no ranged reads on devices)
+            try:
+                self.obj = codec.decode_tensor(self._local.tensor[: self.size].clone())
+            finally:
+                self._local.release()
+        self._loaded = True
+        yield ALL_READY
+
+    def close(self) -> None:
+        self._lease.end(True)
+        if not self._loaded and not self._in_flight:
+            self._local.release()  # never handed out
+        self.obj = None

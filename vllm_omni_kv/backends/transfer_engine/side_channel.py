@@ -1,0 +1,242 @@
+"""A small ZMQ request/reply side channel with msgpack messages and bounded waits.
+
+The server is one ROUTER socket served by one background thread; the client
+uses a REQ socket per (thread, endpoint) with ``RCVTIMEO``/``SNDTIMEO`` so a
+dead or stuck peer surfaces as :class:`KVTransferTimeout` instead of a hang.
+After a timeout the REQ socket is discarded (its state machine is stuck) and a
+fresh one is made on the next call. Messages are msgpack maps only (no pickle).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+import zmq
+
+from vllm_omni_kv.errors import KVTransferError, KVTransferTimeout
+from vllm_omni_kv.kvcache.kv_utils import kv_zmq_port, sender_rank_port
+from vllm_omni_kv.logger import init_logger
+
+logger = init_logger(__name__)
+
+Handler = Callable[[dict[str, Any]], dict[str, Any]]
+
+#: largest message either side accepts; requests/replies are tiny maps
+MAX_MESSAGE = 1 << 20
+
+
+def pack(msg: dict[str, Any]) -> bytes:
+    out: bytes = msgpack.packb(msg, use_bin_type=True)
+    return out
+
+
+def unpack(raw: bytes) -> dict[str, Any]:
+    try:
+        msg = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    except Exception as e:
+        raise KVTransferError(f"side-channel message is not valid msgpack: {e}") from None
+    if not isinstance(msg, dict):
+        raise KVTransferError(f"side-channel message must be a map, got {type(msg).__name__}")
+    return msg
+
+
+class SideChannelServer:
+    """Serve ``handler(request) -> reply`` on ``tcp://host:port`` from a daemon thread.
+
+    ``port=0`` binds a random free port (see :attr:`port`). ``on_idle`` runs
+    between messages at least every ``idle_interval_s`` (used for TTL sweeps).
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        handler: Handler,
+        *,
+        ctx: zmq.Context[Any] | None = None,
+        on_idle: Callable[[], None] | None = None,
+        idle_interval_s: float = 0.2,
+        name: str = "omnikv-side-channel",
+    ) -> None:
+        self._handler = handler
+        self._on_idle = on_idle
+        self._idle_interval = max(0.01, idle_interval_s)
+        self._own_ctx = ctx is None
+        self._ctx = ctx or zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
+        try:
+            if port == 0:
+                self.port = self._sock.bind_to_random_port(f"tcp://{host}")
+            else:
+                self._sock.bind(f"tcp://{host}:{port}")
+                self.port = port
+        except zmq.ZMQError as e:
+            self._sock.close(0)
+            if self._own_ctx:
+                self._ctx.term()
+            raise KVTransferError(
+                f"cannot bind the side channel on tcp://{host}:{port}: {e}. Another process "
+                "(or another TP rank) already uses this port: give each sender its own "
+                "zmq_port / local_rank, or set zmq_port=0 for a random port"
+            ) from None
+        self.host = host
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"tcp://{self.host}:{self.port}"
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        next_idle = time.monotonic() + self._idle_interval
+        poll_ms = int(min(self._idle_interval, 0.05) * 1000)  # also bounds close() latency
+        while not self._stop.is_set():
+            try:
+                events = dict(poller.poll(poll_ms))
+            except zmq.ZMQError:
+                if self._stop.is_set():
+                    break
+                raise
+            if self._sock in events:
+                self._handle_one()
+            now = time.monotonic()
+            if self._on_idle is not None and now >= next_idle:
+                next_idle = now + self._idle_interval
+                try:
+                    self._on_idle()
+                except Exception:
+                    logger.exception("side-channel idle callback failed")
+        self._sock.close(0)
+
+    def _handle_one(self) -> None:
+        try:
+            frames = self._sock.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        if len(frames) < 3:  # ROUTER: identity, empty delimiter (REQ), payload
+            return
+        ident, payload = frames[0], frames[-1]
+        try:
+            reply = self._handler(unpack(payload))
+        except Exception as e:
+            logger.exception("side-channel handler failed")
+            reply = {"ok": False, "reason": "error", "error": f"{type(e).__name__}: {e}"}
+        try:
+            self._sock.send_multipart([ident, b"", pack(reply)], zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # the requester went away; nothing to do
+            logger.debug("side-channel reply dropped: %s", e)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the thread and close the socket; idempotent."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.warning("side-channel thread did not stop within %.1fs", timeout)
+        elif self._own_ctx:
+            self._ctx.term()
+
+
+class SideChannelClient:
+    """Thread-safe request/reply client with a per-request deadline."""
+
+    def __init__(self, timeout_s: float = 5.0, ctx: zmq.Context[Any] | None = None) -> None:
+        self.timeout_s = timeout_s
+        self._own_ctx = ctx is None
+        self._ctx = ctx or zmq.Context()
+        self._local = threading.local()
+        self._all: list[zmq.Socket[Any]] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def _socket(self, endpoint: str, timeout_ms: int) -> zmq.Socket[Any]:
+        cache: dict[str, zmq.Socket[Any]] = self._local.__dict__.setdefault("socks", {})
+        sock = cache.get(endpoint)
+        if sock is None:
+            with self._lock:
+                if self._closed:
+                    raise KVTransferError("side-channel client is closed")
+                sock = self._ctx.socket(zmq.REQ)
+                self._all.append(sock)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
+            sock.connect(endpoint)
+            cache[endpoint] = sock
+        sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
+        sock.setsockopt(zmq.SNDTIMEO, timeout_ms)
+        return sock
+
+    def _drop(self, endpoint: str) -> None:
+        cache: dict[str, zmq.Socket[Any]] = self._local.__dict__.setdefault("socks", {})
+        sock = cache.pop(endpoint, None)
+        if sock is not None:
+            with self._lock:
+                if sock in self._all:
+                    self._all.remove(sock)
+            sock.close(0)
+
+    def request(
+        self, endpoint: str, msg: dict[str, Any], timeout_s: float | None = None
+    ) -> dict[str, Any]:
+        """Send ``msg`` and wait for the reply; raise ``KVTransferTimeout`` past the deadline."""
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        timeout_ms = max(1, int(timeout * 1000))
+        sock = self._socket(endpoint, timeout_ms)
+        try:
+            sock.send(pack(msg))
+            raw = sock.recv()
+        except zmq.Again:
+            self._drop(endpoint)
+            raise KVTransferTimeout(
+                f"no reply from {endpoint} to {msg.get('op')!r} within {timeout:.1f}s: the sender "
+                "process is gone, stuck, or unreachable (check its host/zmq_port and firewall)"
+            ) from None
+        except zmq.ZMQError as e:
+            self._drop(endpoint)
+            raise KVTransferError(f"side-channel request to {endpoint} failed: {e}") from None
+        return unpack(raw)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            socks, self._all = self._all, []
+        for s in socks:
+            s.close(0)
+        if self._own_ctx:
+            self._ctx.term()
+
+
+def sender_zmq_port(config: dict[str, Any]) -> int:
+    """This sender's side-channel port.
+
+    Without ``from_stage`` (or ``stage_id``): ``sender_rank_port(zmq_port, local_rank)``;
+    with it, ``kv_zmq_port(zmq_port, stage, local_rank, replica_id)`` spreads stages,
+    ranks and replicas over distinct ports (ranks by the same stride). ``zmq_port=0``
+    picks a free port.
+    """
+    base = int(config.get("zmq_port", 50051))
+    stage = config.get("from_stage", config.get("stage_id"))
+    if base == 0:
+        return 0
+    if stage is None or int(stage) < 0:
+        return sender_rank_port(base, int(config.get("local_rank", 0)))
+
+    replica = config.get("replica_id")
+    return kv_zmq_port(
+        base,
+        int(stage),
+        int(config.get("local_rank", 0)),
+        None if replica is None else int(replica),
+    )

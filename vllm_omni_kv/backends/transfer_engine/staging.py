@@ -1,0 +1,85 @@
+"""Placing a put's data in the sender's registered pool (the only copy on the sender)."""
+
+from __future__ import annotations
+
+import ctypes
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm_omni_kv.backends.pool import ManagedBuffer, MemoryPool
+from vllm_omni_kv.errors import KVTransferError
+from vllm_omni_kv.wire import codec
+from vllm_omni_kv.wire.payload import KVCacheTransferData
+
+
+def stage_in_pool(
+    pool: MemoryPool, data: Any, *, checksum: bool = True
+) -> tuple[ManagedBuffer, int, bool, str | None, list[int] | None]:
+    """Place ``data`` in ``pool``: ``(buffer, size, fast, dtype, shape)``.
+
+    A buffer of ``pool`` is used as is (zero copy), a tensor or bytes are copied
+    once (``fast``: a raw buffer), any other object is packed as a frame straight
+    into the pool (with chunk digests unless ``checksum`` is False).
+    """
+    host = pool.device.type == "cpu"
+    if isinstance(data, ManagedBuffer):
+        if pool.owns(data):
+            if data.released:
+                raise KVTransferError("cannot put a ManagedBuffer that was already released")
+            return data, data.size, True, None, None  # zero copy: we now own it
+        data = data.tensor
+    if isinstance(data, torch.Tensor):
+        name = codec.DTYPE_NAMES.get(data.dtype)
+        if name is None:
+            raise KVTransferError(f"tensor dtype {data.dtype} is not supported")
+        n = data.numel() * data.element_size()
+        buf = pool.alloc(max(n, 1))
+        try:
+            if n and host and data.device.type == "cpu" and data.is_contiguous():
+                # one plain memcpy: torch's copy_ goes through its intra-op thread pool,
+                # which costs milliseconds per call on a busy host
+                ctypes.memmove(buf.address, data.data_ptr(), n)
+            elif n:
+                buf.tensor[:n].view(data.dtype).view(data.shape).copy_(data)
+        except BaseException:
+            buf.release()
+            raise
+        return sized(buf, n), n, True, name, list(data.shape)
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        mv = memoryview(data).cast("B")
+        buf = pool.alloc(max(mv.nbytes, 1))
+        if mv.nbytes and host:
+            buf.tensor.numpy()[: mv.nbytes] = np.frombuffer(mv, dtype=np.uint8)
+        elif mv.nbytes:
+            with warnings.catch_warnings():  # read-only sources are fine to copy from
+                warnings.simplefilter("ignore", UserWarning)
+                src = torch.frombuffer(mv, dtype=torch.uint8)
+            buf.tensor[: mv.nbytes].copy_(src)
+        return sized(buf, mv.nbytes), mv.nbytes, True, None, None
+    if isinstance(data, KVCacheTransferData):
+        frame = data.frame()
+    elif isinstance(data, codec.Frame):
+        frame = data
+    else:
+        frame = codec.encode(data)
+    buf = pool.alloc(frame.nbytes)
+    try:
+        if pool.device.type == "cpu":
+            size = frame.pack_into(buf.tensor.numpy(), checksum=checksum)
+        else:
+            packed = frame.to_device_tensor(pool.device)
+            size = packed.numel()
+            buf.tensor[:size].copy_(packed)
+    except BaseException:
+        buf.release()
+        raise
+    return sized(buf, size), size, False, None, None
+
+
+def sized(buf: ManagedBuffer, size: int) -> ManagedBuffer:
+    """Report the payload size (not the aligned block size) on a pool buffer."""
+    buf.size = size
+    return buf

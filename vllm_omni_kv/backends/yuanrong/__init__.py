@@ -1,0 +1,1 @@
+"""openYuanrong datasystem backend."""

@@ -1,0 +1,52 @@
+"""Pick the injection plan for a received payload by its format (one entry point for clients)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from vllm_omni_kv.errors import KVPayloadError
+from vllm_omni_kv.kvcache.kv_utils import LayerKV
+from vllm_omni_kv.kvcache.meta import PAGED_BLOCKS, PayloadMeta
+from vllm_omni_kv.kvcache.paged_blocks import plan_block_injection
+from vllm_omni_kv.kvcache.token_major import plan_token_injection
+from vllm_omni_kv.wire.stream import PayloadStream, Span
+
+
+class InjectionPlan(Protocol):
+    """Where a payload's bytes go in a local paged cache."""
+
+    tokens: int
+
+    def spans(self, frame_address: int | None) -> list[Span] | None: ...
+
+    def apply(
+        self, stream: PayloadStream, deadline: float, cancel: threading.Event | None = None
+    ) -> int: ...
+
+
+def plan_injection(
+    data: dict[str, Any],
+    kv_caches: Sequence[LayerKV | None],
+    block_ids: Sequence[int],
+    *,
+    start_token: int = 0,
+    layout: str | None = None,
+) -> InjectionPlan:
+    """The plan that writes tokens ``[start_token, num_tokens)`` of ``data`` into ``block_ids``.
+
+    ``kv_caches`` are the local layers ``data`` covers (for a layer-wise part, its
+    slice); ``start_token`` is a multiple of the block size (a local prefix hit).
+    """
+    meta = PayloadMeta.of(data)
+    if meta.format == PAGED_BLOCKS:
+        if start_token % meta.block_size:
+            raise KVPayloadError(
+                f"start token {start_token} is not at a block boundary ({meta.block_size})"
+            )
+        caches: list[Any] = list(kv_caches)
+        return plan_block_injection(
+            data, caches, block_ids, first_block=start_token // meta.block_size, layout=layout
+        )
+    return plan_token_injection(data, kv_caches, block_ids, start_token=start_token, layout=layout)

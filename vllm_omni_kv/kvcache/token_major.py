@@ -1,0 +1,252 @@
+"""The token-major payload format: ``[rows, heads, head_dim]`` K and V per layer.
+
+Used between caches of different layouts or TP sizes (head shards are merged or
+sliced per token) and by vLLM-free stages that want plain tensors. Extraction is
+lazy by default: each layer becomes a :class:`~vllm_omni_kv.wire.codec.LazyTensor`
+that gathers the request's blocks straight into the transport buffer when the
+frame is packed (one copy on the sending side). A receiver plans which rows go
+to which local blocks (:func:`plan_token_injection`); the plan names the frame
+byte spans it needs, so a consumer holding a prefix loads only the rest.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vllm_omni_kv.errors import KVPayloadError
+from vllm_omni_kv.kvcache.blocks import gather_request_kv, request_kv_shape, scatter_request_kv
+from vllm_omni_kv.kvcache.kv_utils import LayerKV, normalize_layer_kv
+from vllm_omni_kv.kvcache.meta import TOKEN_MAJOR, PayloadMeta
+from vllm_omni_kv.wire.codec import LazyTensor
+from vllm_omni_kv.wire.payload import KVCacheTransferData
+from vllm_omni_kv.wire.stream import PayloadStream, Span
+
+KEY, VALUE = "key_cache", "value_cache"
+
+
+def _lazy_gather(blocks: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> LazyTensor:
+    shape = request_kv_shape(blocks, seq_len)
+
+    def fill(dst: torch.Tensor) -> None:
+        gather_request_kv(blocks, block_ids, seq_len, out=dst)
+
+    return LazyTensor(shape, blocks.dtype, fill, blocks.device)
+
+
+def extract_request_kv(
+    request_id: str,
+    block_ids: Sequence[int],
+    seq_len: int,
+    kv_caches: Sequence[LayerKV | None],
+    *,
+    metadata: dict[str, Any] | None = None,
+    lazy: bool = True,
+    layout: str | None = None,
+) -> KVCacheTransferData:
+    """One request's KV as ``[seq_len, heads, dim]`` per layer (``None`` for absent layers).
+
+    ``lazy=True`` defers the gather to packing time (one copy, straight into the
+    transport buffer); ``lazy=False`` materialises the tensors now.
+    """
+    if seq_len <= 0:
+        raise KVPayloadError(f"request {request_id}: seq_len must be positive, got {seq_len}")
+    ids = [int(b) for b in block_ids]
+    ids_t = torch.tensor(ids, dtype=torch.long)  # built once, shared by every layer
+    keys: list[Any] = []
+    values: list[Any] = []
+    block_size = 0
+    for idx, layer in enumerate(kv_caches):
+        kv = (
+            None
+            if layer is None
+            else normalize_layer_kv(layer, req_id=request_id, layer_idx=idx, layout=layout)
+        )
+        if kv is None:
+            keys.append(None)
+            values.append(None)
+            continue
+        k_blocks, v_blocks = kv
+        block_size = int(k_blocks.shape[1])
+        if lazy:
+            keys.append(_lazy_gather(k_blocks, ids_t, seq_len))
+            values.append(_lazy_gather(v_blocks, ids_t, seq_len))
+        else:
+            keys.append(gather_request_kv(k_blocks, ids_t, seq_len))
+            values.append(gather_request_kv(v_blocks, ids_t, seq_len))
+    if not block_size:
+        raise KVPayloadError(f"request {request_id}: no layer has a usable KV cache to extract")
+    meta = PayloadMeta(TOKEN_MAJOR, int(seq_len), block_size, int(seq_len), len(keys))
+    md = {"seq_len": int(seq_len), **meta.to_dict(**(metadata or {}))}
+    return KVCacheTransferData(request_id, {KEY: keys, VALUE: values}, ids, md)
+
+
+def kv_lists(data: dict[str, Any], n_layers: int) -> tuple[list[Any], list[Any]]:
+    """The payload's per-layer key and value lists, checked against the local layer count."""
+    blocks = data.get("layer_blocks")
+    keys = blocks.get(KEY) if isinstance(blocks, dict) else None
+    values = blocks.get(VALUE) if isinstance(blocks, dict) else None
+    if not isinstance(keys, list) or not isinstance(values, list):
+        raise KVPayloadError("payload layer_blocks lacks key_cache/value_cache lists")
+    if len(keys) != n_layers or len(values) != n_layers:
+        raise KVPayloadError(f"payload has {len(keys)} layers, the local model has {n_layers}")
+    return keys, values
+
+
+def _span(t: torch.Tensor, frame_address: int) -> Span:
+    start = t.data_ptr() - frame_address
+    return start, start + t.numel() * t.element_size()
+
+
+@dataclass
+class _Copy:
+    key: torch.Tensor  # payload rows to write (views of the frame)
+    value: torch.Tensor
+    k_blocks: torch.Tensor  # local ``[num_blocks, block_size, heads, dim]`` views
+    v_blocks: torch.Tensor
+    ids: list[int]  # local block ids, starting with the block of the first row
+
+
+class TokensPlan:
+    """Which payload rows go to which local blocks; built by :func:`plan_token_injection`."""
+
+    def __init__(self, tokens: int, copies: list[_Copy]) -> None:
+        self.tokens = tokens
+        self.copies = copies
+
+    def spans(self, frame_address: int | None) -> list[Span] | None:
+        """The frame bytes the plan reads (None: the whole frame)."""
+        if frame_address is None:
+            return None
+        spans = []
+        for c in self.copies:
+            spans += [_span(c.key, frame_address), _span(c.value, frame_address)]
+        spans.sort()
+        return spans
+
+    def apply(
+        self, stream: PayloadStream, deadline: float, cancel: threading.Event | None = None
+    ) -> int:
+        """Write each layer once its K and V rows are final; return the payload's token count."""
+        fa = stream.frame_address
+        order = sorted(
+            (0 if fa is None else max(_span(c.key, fa)[1], _span(c.value, fa)[1]), i)
+            for i, c in enumerate(self.copies)
+        )
+        done = 0
+        for ready in stream.load(self.spans(fa), deadline, cancel):
+            while done < len(order) and order[done][0] <= ready:
+                self._write(self.copies[order[done][1]])
+                done += 1
+        if done < len(order):
+            raise KVPayloadError(f"the stream ended with {len(order) - done} layers not written")
+        return self.tokens
+
+    def write_all(self) -> int:
+        """Write every planned layer now (a payload that is complete and verified)."""
+        for c in self.copies:
+            self._write(c)
+        return self.tokens
+
+    @staticmethod
+    def _write(c: _Copy) -> None:
+        scatter_request_kv(c.k_blocks, c.ids, c.key)
+        scatter_request_kv(c.v_blocks, c.ids, c.value)
+
+
+def plan_token_injection(
+    data: dict[str, Any],
+    kv_caches: Sequence[LayerKV | None],
+    block_ids: Sequence[int],
+    *,
+    start_token: int = 0,
+    num_tokens: int | None = None,
+    layout: str | None = None,
+) -> TokensPlan:
+    """Check a token-major payload against the local cache (header only, no bytes read).
+
+    Rows ``[start_token, end)`` go to the local blocks from ``block_ids[start_token //
+    block_size]`` on, where ``end`` is ``num_tokens`` (default: the payload's). The
+    first ``start_token`` tokens are held locally; ``start_token`` must be a multiple
+    of the local block size. Raises ``KVPayloadError`` when layer count, heads,
+    head size, dtype or token count do not fit.
+    """
+    meta = PayloadMeta.of(data)
+    if meta.format != TOKEN_MAJOR:
+        raise KVPayloadError(f"not a token-major payload (format {meta.format!r})")
+    keys, values = kv_lists(data, len(kv_caches))
+    end = meta.num_tokens if num_tokens is None else num_tokens
+    copies = []
+    for idx, layer in enumerate(kv_caches):
+        if layer is None:
+            continue
+        k_src, v_src = keys[idx], values[idx]
+        if not isinstance(k_src, torch.Tensor) or not isinstance(v_src, torch.Tensor):
+            raise KVPayloadError(f"payload has no KV for layer {idx}, which the local model needs")
+        kv = normalize_layer_kv(layer, layer_idx=idx, layout=layout)
+        if kv is None:
+            raise KVPayloadError(f"local KV cache of layer {idx} has an unsupported layout")
+        bs = int(kv[0].shape[1])
+        if start_token % bs or not 0 <= start_token <= end:
+            raise KVPayloadError(f"cannot load tokens [{start_token}, {end}) in blocks of {bs}")
+        for blocks, src in ((kv[0], k_src), (kv[1], v_src)):
+            if src.dim() != 3 or src.shape[0] < end:
+                raise KVPayloadError(
+                    f"layer {idx}: payload holds {tuple(src.shape)}, {end} token rows are needed"
+                )
+            if tuple(src.shape[1:]) != tuple(blocks.shape[2:]) or src.dtype != blocks.dtype:
+                raise KVPayloadError(
+                    f"layer {idx}: payload tensor {tuple(src.shape[1:])} {src.dtype} does not fit "
+                    f"the local cache {tuple(blocks.shape[2:])} {blocks.dtype}"
+                )
+        if end > start_token:
+            ids = [int(b) for b in block_ids][start_token // bs :]
+            copies.append(_Copy(k_src[start_token:end], v_src[start_token:end], kv[0], kv[1], ids))
+    return TokensPlan(end, copies)
+
+
+def inject_request_kv(
+    data: dict[str, Any],
+    kv_caches: Sequence[LayerKV | None],
+    block_ids: Sequence[int],
+    *,
+    num_tokens: int | None = None,
+    start_token: int = 0,
+    layout: str | None = None,
+) -> int:
+    """Write a complete payload's tokens ``[start_token, num_tokens)`` into paged blocks.
+
+    Returns the token count; raises ``KVPayloadError`` when the payload does not fit.
+    """
+    plan = plan_token_injection(
+        data, kv_caches, block_ids, start_token=start_token, num_tokens=num_tokens, layout=layout
+    )
+    return plan.write_all()
+
+
+def map_layer_tensors(data: dict[str, Any], fn: Any) -> dict[str, Any]:
+    """``data`` with ``fn`` applied to every tensor of its per-layer lists."""
+    blocks = {
+        name: [fn(t) if isinstance(t, torch.Tensor) else t for t in layers]
+        if isinstance(layers, list)
+        else layers
+        for name, layers in (data.get("layer_blocks") or {}).items()
+    }
+    return {**data, "layer_blocks": blocks}
+
+
+def trim_to_num_tokens(data: dict[str, Any]) -> dict[str, Any]:
+    """Keep the first ``metadata.num_tokens`` rows of each tensor (views)."""
+    n = (data.get("metadata") or {}).get("num_tokens")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        return data
+    return map_layer_tensors(data, lambda t: t[:n] if t.shape[0] > n else t)
+
+
+def to_device(data: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """``data`` with every layer tensor moved to ``device``."""
+    return map_layer_tensors(data, lambda t: t.to(device))

@@ -1,0 +1,105 @@
+"""The frame's fixed 32-byte prelude and the constants of the frame format (version 2).
+
+See :mod:`vllm_omni_kv.wire.codec` for the whole layout. The prelude alone
+gives every region's offset: header ``[32, 32 + header_len)``, data
+``[data_start, data_start + data_len)`` with ``data_start = align_up(32 +
+header_len, 64)``, then the digest trailer of ``8 * digests`` bytes.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+from vllm_omni_kv.errors import KVPayloadError
+
+MAGIC = b"OMKV"
+VERSION = 2
+#: magic | u16 version | u8 checksum_alg | u8 flags | u32 header_len | u64 data_len
+#: | u64 checksum | u32 digests (number of u64 chunk digests in the trailer)
+PRELUDE = struct.Struct("<4sHBBIQQI")
+PRELUDE_SIZE = 32
+CHECKSUM_OFFSET = 20  # the prelude's checksum field
+DIGEST = struct.Struct("<Q")
+DIGEST_SIZE = 8
+ALIGN = 64
+CHECKSUM_NONE = 0
+CHECKSUM_XXH3 = 1
+MAX_HEADER = 64 << 20
+#: packing copies and hashes this many bytes at a time, so each step is hashed while in cache;
+#: also the default chunk size (bytes covered by one digest)
+PACK_STEP = 256 << 10
+#: smallest and largest chunk size a frame may declare
+MIN_CHUNK = 64
+MAX_CHUNK = 1 << 31
+
+
+def align_up(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass(frozen=True)
+class Prelude:
+    """The decoded prelude of a frame."""
+
+    alg: int
+    header_len: int
+    data_len: int
+    checksum: int
+    digests: int
+
+    @property
+    def data_start(self) -> int:
+        return align_up(PRELUDE_SIZE + self.header_len)
+
+    @property
+    def trailer_start(self) -> int:
+        return self.data_start + self.data_len
+
+    @property
+    def trailer_len(self) -> int:
+        return DIGEST_SIZE * self.digests
+
+    @property
+    def total(self) -> int:
+        return self.trailer_start + self.trailer_len
+
+
+def read_prelude(head: bytes | memoryview, available: int) -> Prelude:
+    """Validate the prelude of a frame of ``available`` bytes (``head`` holds at least 32)."""
+    if available < PRELUDE_SIZE or len(head) < PRELUDE_SIZE:
+        raise KVPayloadError(
+            f"truncated frame: {min(available, len(head))} bytes is shorter than the "
+            f"{PRELUDE_SIZE}-byte prelude"
+        )
+    magic, version, alg, flags, header_len, data_len, checksum, digests = PRELUDE.unpack_from(
+        head, 0
+    )
+    if magic != MAGIC:
+        raise KVPayloadError(f"not a vllm-omni-kv frame: magic {magic!r}, expected {MAGIC!r}")
+    if version != VERSION:
+        older = (
+            " (written by a vllm-omni-kv release older than chunk digests)" if version == 1 else ""
+        )
+        raise KVPayloadError(
+            f"frame format version {version}{older} is not supported: this build reads "
+            f"version {VERSION}; upgrade vllm-omni-kv on both stages to the same release"
+        )
+    if flags:
+        raise KVPayloadError(f"frame uses flags {flags:#x} that this build does not understand")
+    if alg not in (CHECKSUM_NONE, CHECKSUM_XXH3):
+        raise KVPayloadError(f"unknown checksum algorithm {alg}")
+    if alg == CHECKSUM_NONE and digests:
+        raise KVPayloadError(f"frame without checksum declares {digests} chunk digests")
+    if header_len > MAX_HEADER:
+        raise KVPayloadError(f"frame header length {header_len} exceeds the {MAX_HEADER} limit")
+    p = Prelude(alg, header_len, data_len, checksum, digests)
+    if p.total > available:
+        raise KVPayloadError(f"truncated frame: header declares {p.total} bytes, got {available}")
+    return p
+
+
+def parse_prelude(head: bytes | memoryview, available: int) -> tuple[int, int, int, int, int]:
+    """``(alg, header_len, data_len, checksum, total)`` of a valid prelude."""
+    p = read_prelude(head, available)
+    return p.alg, p.header_len, p.data_len, p.checksum, p.total

@@ -1,0 +1,226 @@
+"""Decoding frames (see :mod:`vllm_omni_kv.wire.codec` for the layout).
+
+:func:`parse` validates prelude and header and returns a :class:`FrameInfo`
+(tables, tree, chunk map) without reading data bytes; :func:`materialize`
+builds the object with zero-copy tensor views; :func:`decode` does both after
+checking every digest.
+"""
+
+from __future__ import annotations
+
+import struct
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import torch
+
+from vllm_omni_kv.errors import KVPayloadError
+from vllm_omni_kv.wire.digests import ChunkMap, Run, verify_chunks
+from vllm_omni_kv.wire.digests import verify_head as check_head
+from vllm_omni_kv.wire.frame_tables import check_blob_table, check_chunk_bytes, check_tensor_table
+from vllm_omni_kv.wire.prelude import (
+    CHECKSUM_NONE,
+    CHECKSUM_XXH3,
+    MAX_CHUNK,
+    MIN_CHUNK,
+    PRELUDE_SIZE,
+    Prelude,
+    read_prelude,
+)
+
+EXT_TENSOR = 1
+EXT_BLOB = 2
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "bool": torch.bool,
+}
+for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"):
+    if hasattr(torch, _name):
+        DTYPES[_name] = getattr(torch, _name)
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+
+
+class _Ref:
+    __slots__ = ("code", "index")
+
+    def __init__(self, code: int, index: int) -> None:
+        self.code = code
+        self.index = index
+
+
+def _ext_hook(code: int, data: bytes) -> Any:
+    if code in (EXT_TENSOR, EXT_BLOB) and len(data) == 4:
+        return _Ref(code, struct.unpack("<I", data)[0])
+    raise KVPayloadError(f"unknown ext type {code} in frame header")
+
+
+@dataclass
+class FrameInfo:
+    """A frame's validated prelude and header: what a reader needs before any data byte."""
+
+    prelude: Prelude
+    tree: Any
+    tensors: list[tuple[torch.dtype, list[int], int, int]]
+    blobs: list[tuple[int, int]]
+    chunks: ChunkMap
+
+    @property
+    def data_start(self) -> int:
+        return self.prelude.data_start
+
+    @property
+    def total(self) -> int:
+        return self.prelude.total
+
+    @property
+    def has_digests(self) -> bool:
+        return self.prelude.alg == CHECKSUM_XXH3
+
+    def blob_runs(self) -> list[Run]:
+        """The chunk runs covering the blobs (decoding copies them, so they must be final)."""
+        base = self.data_start
+        return self.chunks.runs([(base + off, base + off + nb) for off, nb in self.blobs])
+
+
+def parse(
+    head: memoryview, available: int, *, verify_head: bool = False, require_checksum: bool = True
+) -> FrameInfo:
+    """Validate prelude and header (``head`` holds at least through the header).
+
+    With ``verify_head`` the prelude checksum is compared over prelude, header and
+    trailer, so ``head`` must then hold the trailer too; data chunks are not read.
+    """
+    p = read_prelude(head, available)
+    if head.nbytes < PRELUDE_SIZE + p.header_len:
+        raise KVPayloadError("truncated frame: header extends past the available bytes")
+    if verify_head and p.alg == CHECKSUM_NONE and require_checksum:
+        raise KVPayloadError(
+            "frame carries no checksum (it was packed on an accelerator or with "
+            "checksum=False); decode it with from_bytes_device, or pass verify=False to "
+            "accept it unverified"
+        )
+    if verify_head:
+        if head.nbytes < p.total:
+            raise KVPayloadError("truncated frame: the digest trailer is not available")
+        check_head(head, p)
+    try:
+        header = msgpack.unpackb(
+            head[PRELUDE_SIZE : PRELUDE_SIZE + p.header_len],
+            ext_hook=_ext_hook,
+            strict_map_key=False,
+            raw=False,
+        )
+    except KVPayloadError:
+        raise
+    except Exception as e:
+        raise KVPayloadError(f"frame header is not valid msgpack: {e}") from None
+    if not isinstance(header, dict) or not {"t", "b", "v", "c"} <= set(header):
+        raise KVPayloadError("frame header lacks its 't', 'b', 'v' and 'c' fields")
+    tensors = check_tensor_table(header["t"], p.data_len, DTYPES)
+    blobs = check_blob_table(header["b"], p.data_len)
+    chunk_bytes = check_chunk_bytes(header["c"], MIN_CHUNK, MAX_CHUNK)
+    spans = sorted(
+        [(off, nb) for _d, _s, off, nb in tensors if nb] + [(off, nb) for off, nb in blobs if nb]
+    )
+    for (a_off, a_nb), (b_off, _b_nb) in zip(spans, spans[1:]):
+        if b_off < a_off + a_nb:
+            raise KVPayloadError(f"overlapping data spans at offsets {a_off} and {b_off}")
+    chunks = ChunkMap(p.data_start, spans, chunk_bytes, p.trailer_start)
+    if p.alg == CHECKSUM_XXH3 and p.digests != chunks.count:
+        raise KVPayloadError(
+            f"frame trailer holds {p.digests} chunk digests but its spans make "
+            f"{chunks.count} chunks of {chunk_bytes} bytes"
+        )
+    return FrameInfo(p, header["v"], tensors, blobs, chunks)
+
+
+def _resolve(tree: Any, tensors: Sequence[Any], blobs: Sequence[Any]) -> Any:
+    if isinstance(tree, _Ref):
+        table = tensors if tree.code == EXT_TENSOR else blobs
+        if tree.index >= len(table):
+            raise KVPayloadError(f"frame references missing entry #{tree.index}")
+        return table[tree.index]
+    if isinstance(tree, dict):
+        return {k: _resolve(v, tensors, blobs) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_resolve(v, tensors, blobs) for v in tree]
+    return tree
+
+
+def materialize(mv: memoryview, info: FrameInfo) -> Any:
+    """The object of a parsed frame: tensors are zero-copy views of ``mv`` (valid once
+    their bytes are), byte blobs are copied now (so their chunks must be final)."""
+    base = info.data_start
+    views: list[torch.Tensor] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only buffers are fine for views
+        for dtype, shape, off, nbytes in info.tensors:
+            if nbytes == 0:
+                views.append(torch.empty(shape, dtype=dtype))
+                continue
+            u8 = torch.frombuffer(mv, dtype=torch.uint8, count=nbytes, offset=base + off)
+            views.append(u8.view(dtype).view(shape))
+    blobs = [bytes(mv[base + off : base + off + nb]) for off, nb in info.blobs]
+    return _resolve(info.tree, views, blobs)
+
+
+def _as_bytes(raw: Any) -> memoryview:
+    try:
+        return memoryview(raw).cast("B")
+    except TypeError as e:
+        raise KVPayloadError(f"cannot read a frame from {type(raw).__name__}: {e}") from None
+
+
+def decode(raw: Any, *, verify: bool = True) -> Any:
+    """Decode a host frame. Tensors are zero-copy views of ``raw``; byte blobs are copied once.
+
+    With ``verify`` the prelude checksum and every chunk digest are checked. The views
+    keep ``raw`` alive. Raises :class:`KVPayloadError` on any defect.
+    """
+    if isinstance(raw, torch.Tensor):
+        return decode_tensor(raw, verify=verify)
+    mv = _as_bytes(raw)
+    info = parse(mv, mv.nbytes, verify_head=verify)
+    if verify:
+        verify_chunks(mv, info.chunks, info.chunks.runs(None))
+    return materialize(mv, info)
+
+
+def decode_tensor(t: torch.Tensor, *, verify: bool = True) -> Any:
+    """Decode a frame packed into a ``uint8`` tensor; tensors are views on its device."""
+    if t.dtype != torch.uint8 or t.dim() != 1:
+        raise KVPayloadError(f"a packed frame tensor is 1-D uint8, got {t.dtype} {tuple(t.shape)}")
+    if t.device.type == "cpu":
+        return decode(t.contiguous().numpy(), verify=verify)
+    n = t.numel()
+    p = read_prelude(t[: min(n, PRELUDE_SIZE)].cpu().numpy().tobytes(), n)
+    # accelerator frames carry no digests; one with a trailer is checked on the host
+    head = memoryview(t[: p.total if p.digests else p.data_start].cpu().numpy().tobytes())
+    info = parse(head, n, verify_head=verify and p.digests > 0, require_checksum=False)
+    if verify and p.digests:
+        host = memoryview(t[: p.total].cpu().numpy().tobytes())
+        verify_chunks(host, info.chunks, info.chunks.runs(None))
+    data_start = info.data_start
+    views = [
+        t[data_start + off : data_start + off + nb].view(dtype).view(shape)
+        if nb
+        else torch.empty(shape, dtype=dtype, device=t.device)
+        for dtype, shape, off, nb in info.tensors
+    ]
+    blobs = [
+        t[data_start + off : data_start + off + nb].cpu().numpy().tobytes()
+        for off, nb in info.blobs
+    ]
+    return _resolve(info.tree, views, blobs)
