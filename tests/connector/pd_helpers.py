@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from vllm_omni_kv.tiny_model import prompt_text
 
 __all__ = [
     "LOG_DIR",
+    "NAMESPACE",
     "EngineProc",
     "engine_cfg",
     "engines",
@@ -26,6 +28,9 @@ __all__ = [
 ]
 
 LOG_DIR = Path(os.environ.get("OMNIKV_TEST_LOGS", "/tmp/omnikv-test-logs"))
+#: the shared-memory namespace of this test run's engines: leak checks look only at its
+#: files, so another run (or a benchmark) on the same host cannot fail them
+NAMESPACE = f"pytest-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
 def make_prompts(model_dir: Path, n: int, seed: int = 0) -> list[list[int]]:
@@ -43,7 +48,8 @@ def make_prompts(model_dir: Path, n: int, seed: int = 0) -> list[list[int]]:
 
 
 def omni_ktc(role: str, policy: str | None = None, **extra: Any) -> dict[str, Any]:
-    """A ``KVTransferConfig`` mapping for :class:`OmniKVConnector`."""
+    """A ``KVTransferConfig`` mapping for :class:`OmniKVConnector` (in this run's namespace)."""
+    extra["backend_extra"] = {"namespace": NAMESPACE, **extra.get("backend_extra", {})}
     ktc: dict[str, Any] = {
         "kv_connector": "OmniKVConnector",
         "kv_role": role,
@@ -96,10 +102,10 @@ def sweep_dead_segments() -> None:
 
 
 def omnikv_files() -> set[str]:
-    try:
-        return {n for n in os.listdir("/dev/shm") if n.startswith("omnikv")}
-    except FileNotFoundError:
-        return set()
+    """This run's shared-memory files (see :data:`NAMESPACE`)."""
+    from vllm_omni_kv.backends.shm import arena as shm_arena
+
+    return shm_arena.namespace_files(NAMESPACE)
 
 
 def _owned_by_live_process(name: str) -> bool:

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import requests
-from pd_helpers import LOG_DIR, make_prompts, sweep_dead_segments
+from pd_helpers import LOG_DIR, NAMESPACE, make_prompts, sweep_dead_segments
 
 from vllm_omni_kv.testing.net import free_port
 
@@ -108,7 +108,7 @@ def servers(tiny_model_dir: Path) -> Iterator[Servers]:
             ("serve-producer", pp, "producer.json"),
             ("serve-consumer", dp, "consumer.json"),
         ):
-            ktc = (EXAMPLE / cfg).read_text()
+            ktc = _in_test_namespace((EXAMPLE / cfg).read_text())
             p, log = _start(
                 [*SERVE, *common, "--port", str(port), "--kv-transfer-config", ktc],
                 name,
@@ -223,6 +223,14 @@ def _decode(servers: Servers, ids: list[int], params: dict[str, Any]) -> dict[st
     return servers.post(servers.decode, "/v1/completions", body)
 
 
+def _in_test_namespace(ktc: str) -> str:
+    """The example's ``--kv-transfer-config`` with this run's shared-memory namespace."""
+    cfg = json.loads(ktc)
+    extra = cfg["kv_connector_extra_config"]
+    extra["backend_extra"] = {**extra.get("backend_extra", {}), "namespace": NAMESPACE}
+    return json.dumps(cfg)
+
+
 def _payload_published(params: dict[str, Any]) -> bool:
     """Whether the producer's shared-memory payload for ``params`` is still unclaimed."""
     from vllm_omni_kv.backends.shm import arena
@@ -230,7 +238,7 @@ def _payload_published(params: dict[str, Any]) -> bool:
     from vllm_omni_kv.kvcache.kv_utils import get_kv_connector_key
 
     key = get_kv_connector_key(params["remote_transfer_id"], "prefill", 0, 0, 0)
-    name = index_name("default", "prefill", "decode", key)
+    name = index_name(NAMESPACE, "prefill", "decode", key)
     return os.path.exists(os.path.join(arena.SHM_DIR, name))
 
 

@@ -16,7 +16,7 @@ import torch
 from _kv_fixtures import BS, LAYERS, cpu_layout_cache, head_shard, reference_kv
 
 from vllm_omni_kv.connector.metadata import LoadSpec
-from vllm_omni_kv.connector.receive import layer_caches, receive
+from vllm_omni_kv.connector.receive import Received, layer_caches, receive
 from vllm_omni_kv.errors import ConfigError, KVPayloadError
 from vllm_omni_kv.kvcache.kv_utils import KVTPTopology
 from vllm_omni_kv.kvcache.paged_blocks import block_bytes, extract_request_blocks
@@ -87,7 +87,7 @@ def _check(dst: list[torch.Tensor], src: list[torch.Tensor], lo: int) -> None:
 
 def _receive(
     ns: str, dst: list[torch.Tensor], spec: LoadSpec, topo: KVTPTopology, keys: list[str]
-) -> tuple[int, int]:
+) -> Received:
     return receive(
         _session(ns),
         _layers(dst),
@@ -104,8 +104,10 @@ def test_tail_only_load_writes_just_the_missing_tokens(ns: str) -> None:
     dst = [cpu_layout_cache(i, seed=1) for i in range(LAYERS)]
     held = [d[DST_IDS[:4]].clone() for d in dst]
     _send_blocks(ns, src)
-    tokens, moved = _receive(ns, dst, _spec(local=4 * BS), KVTPTopology(1, 1, 0), ["k"])
+    got = _receive(ns, dst, _spec(local=4 * BS), KVTPTopology(1, 1, 0), ["k"])
+    tokens, moved = got.tokens, got.moved
     assert tokens == SEQ - 4 * BS
+    assert got.write_seconds > 0
     _check(dst, src, 4 * BS)
     for d, h in zip(dst, held, strict=True):
         assert torch.equal(d[DST_IDS[:4]], h)
@@ -156,7 +158,7 @@ def test_two_source_shards_merge_into_one_consumer(ns: str) -> None:
         data = extract_request_kv("t", SRC_IDS, SEQ, shard, metadata={"prompt_digest": DIGEST})
         s.send(f"k{rank}", data)
     dst = [cpu_layout_cache(i, seed=1) for i in range(LAYERS)]
-    tokens, _moved = _receive(ns, dst, _spec(local=2 * BS), KVTPTopology(2, 1, 0), ["k0", "k1"])
+    tokens = _receive(ns, dst, _spec(local=2 * BS), KVTPTopology(2, 1, 0), ["k0", "k1"]).tokens
     assert tokens == SEQ - 2 * BS
     _check(dst, full, 2 * BS)
 

@@ -11,9 +11,10 @@ sliced, and the missing tokens are written.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -33,6 +34,7 @@ from vllm_omni_kv.kvcache.paged_blocks import blocks_to_tokens, is_block_payload
 from vllm_omni_kv.kvcache.token_major import inject_request_kv
 from vllm_omni_kv.transfer.parts import part_layer_count
 from vllm_omni_kv.transfer.session import TransferSession
+from vllm_omni_kv.wire.stream import PayloadStream, Span
 
 
 @dataclass
@@ -86,6 +88,34 @@ def check_payload(payload: dict[str, Any], spec: LoadSpec, block_size: int) -> N
         )
 
 
+class Received(NamedTuple):
+    """What a load did: tokens written, bytes moved, seconds spent verifying and writing
+    (the rest of a load is waiting for and opening the payload)."""
+
+    tokens: int
+    moved: int
+    write_seconds: float
+
+
+class _Timed:
+    """An injection plan whose ``apply`` time is added to ``seconds[0]``."""
+
+    def __init__(self, plan: InjectionPlan, seconds: list[float]) -> None:
+        self.plan, self.seconds, self.tokens = plan, seconds, plan.tokens
+
+    def spans(self, frame_address: int | None) -> list[Span] | None:
+        return self.plan.spans(frame_address)
+
+    def apply(
+        self, stream: PayloadStream, deadline: float, cancel: threading.Event | None = None
+    ) -> int:
+        t0 = time.perf_counter()
+        try:
+            return self.plan.apply(stream, deadline, cancel)
+        finally:
+            self.seconds[0] += time.perf_counter() - t0
+
+
 def receive(
     session: TransferSession,
     layers: Sequence[LayerCache],
@@ -94,9 +124,10 @@ def receive(
     topo: KVTPTopology,
     deadline: float,
     cancel: threading.Event,
-) -> tuple[int, int]:
-    """Load tokens ``[num_local_tokens, num_prompt_tokens)`` of ``spec``; ``(tokens, bytes moved)``."""
+) -> Received:
+    """Load tokens ``[num_local_tokens, num_prompt_tokens)`` of ``spec``."""
     caches = [x.cache for x in layers]
+    write = [0.0]
     block_size = int(layers[0].key.shape[1]) if layers else 0
     start = spec.num_local_tokens
     if len(keys) == 1 and not topo.is_heterogeneous:
@@ -105,10 +136,10 @@ def receive(
         def plan(part: dict[str, Any], layer_start: int) -> InjectionPlan:
             check_payload(part, spec, block_size)
             local = caches[layer_start : layer_start + part_layer_count(part)]
-            return plan_injection(part, local, spec.block_ids, start_token=start)
+            return _Timed(plan_injection(part, local, spec.block_ids, start_token=start), write)
 
         _n, moved = session.receive_into(key, endpoint, deadline, plan, cancel)
-        return spec.num_load_tokens, moved
+        return Received(spec.num_load_tokens, moved, write[0])
     payloads, moved = [], 0
     for key, endpoint in keys:
         obj, n = session.fetch(key, endpoint, deadline, cancel)
@@ -120,7 +151,8 @@ def receive(
         merged = slice_received_rank_shard(merged, topo)
     if merged is None:
         raise KVPayloadError("no payload after merging rank shards")
+    t0 = time.perf_counter()
     inject_request_kv(
         merged, caches, spec.block_ids, start_token=start, num_tokens=spec.num_prompt_tokens
     )
-    return spec.num_load_tokens, moved
+    return Received(spec.num_load_tokens, moved, time.perf_counter() - t0)

@@ -73,6 +73,7 @@ class _Outcome:
     tokens: int = 0
     nbytes: int = 0
     seconds: float = 0.0
+    write_seconds: float = 0.0  # verifying and writing the bytes into the cache
     error: str = ""
     timed_out: bool = False
     cancelled: bool = False
@@ -273,7 +274,7 @@ class OmniKVWorker:
         try:
             if self._stop.is_set():
                 raise KVTransferCancelled("the connector is shutting down")
-            tokens, moved = receive(
+            got = receive(
                 self.session,
                 self.layers,
                 spec,
@@ -298,7 +299,12 @@ class OmniKVWorker:
             logger.exception("unexpected error loading the KV of request %s", spec.req_id)
             return self._failed(spec, f"{type(e).__name__}: {e}", time.monotonic() - t0)
         return _Outcome(
-            spec.req_id, ok=True, tokens=tokens, nbytes=moved, seconds=time.monotonic() - t0
+            spec.req_id,
+            ok=True,
+            tokens=got.tokens,
+            nbytes=got.moved,
+            seconds=time.monotonic() - t0,
+            write_seconds=got.write_seconds,
         )
 
     def _discard(self, d: DiscardSpec) -> None:
@@ -359,6 +365,7 @@ class OmniKVWorker:
             "tokens": out.tokens,
             "bytes": out.nbytes,
             "seconds": round(out.seconds, 6),
+            "write_seconds": round(out.write_seconds, 6),
             "error": out.error,
         }
         if out.ok:

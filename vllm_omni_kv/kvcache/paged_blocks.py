@@ -33,7 +33,7 @@ from vllm_omni_kv.kvcache.kv_utils import detect_kv_layout, normalize_layer_kv
 from vllm_omni_kv.kvcache.meta import PAGED_BLOCKS, TOKEN_MAJOR, PayloadMeta
 from vllm_omni_kv.wire.codec import PACK_STEP, LazyTensor
 from vllm_omni_kv.wire.payload import KVCacheTransferData
-from vllm_omni_kv.wire.stream import PayloadStream, Span
+from vllm_omni_kv.wire.stream import CopyOut, PayloadStream, Span
 
 BLOCK_DIM = {"cpu": 0, "flashinfer": 0, "flash": 1}
 KV_BLOCKS = "kv_blocks"
@@ -223,7 +223,13 @@ class _Copy:
     ids: list[int]  # local block ids, one per payload block of ``src``
 
 
-_Task = tuple[int, int, int, int, Callable[[], None] | None]
+#: (frame end offset, dst address, src address, nbytes, dst view, fallback)
+_Task = tuple[int, int, int, int, memoryview | None, Callable[[], None] | None]
+
+
+def _byte_view(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory."""
+    return _as_bytes(t).view(torch.uint8).reshape(-1).numpy().data.cast("B")
 
 
 class BlocksPlan:
@@ -247,13 +253,23 @@ class BlocksPlan:
     ) -> int:
         """Write the planned blocks as their bytes arrive; return the payload's token count.
 
+        Host caches take one ``copy_into`` (each chunk verified in the cache right
+        after its copy); other caches are written layer by layer as bytes are final.
         On any error the local blocks may hold part of the payload: do not use them.
         """
-        tasks = self._tasks(stream.frame_address)
+        base = stream.frame_address
+        tasks = self._tasks(base)
+        if base is not None and all(t[5] is None for t in tasks):
+            outs: list[CopyOut] = []
+            for _end, dst, src, nbytes, view, _f in tasks:
+                assert view is not None
+                outs.append((src - base, src - base + nbytes, dst, view))
+            stream.copy_into(outs, deadline, cancel)
+            return self.tokens
         i = 0
-        for ready in stream.load(self.spans(stream.frame_address), deadline, cancel):
+        for ready in stream.load(self.spans(base), deadline, cancel):
             while i < len(tasks) and tasks[i][0] <= ready:
-                _end, dst, src_ptr, nbytes, fallback = tasks[i]
+                _end, dst, src_ptr, nbytes, _view, fallback = tasks[i]
                 if fallback is not None:
                     fallback()
                 else:
@@ -264,7 +280,7 @@ class BlocksPlan:
         return self.tokens
 
     def _tasks(self, frame_address: int | None) -> list[_Task]:
-        """``(frame end offset, dst, src, nbytes, fallback)`` per copy, in frame order.
+        """One task per copy, in frame order.
 
         Runs of consecutive local blocks are merged up to ``STEP_BYTES`` so each copy
         starts as soon as its bytes are final; layers that cannot be memmoved are one
@@ -278,19 +294,20 @@ class BlocksPlan:
                 if frame_address is not None:
                     end = max(b for _a, b in _view_spans(c.src, dim, frame_address))
                 call = functools.partial(scatter_blocks, c.cache, c.layout, c.ids, c.src)
-                tasks.append((end, 0, 0, 0, call))
+                tasks.append((end, 0, 0, 0, None, call))
                 continue
             start = c.src.data_ptr() - frame_address
             per = c.cache[0].numel() * c.cache.element_size()
             limit = max(1, STEP_BYTES // per)
             base, s = c.cache.data_ptr(), c.src.data_ptr()
+            whole = _byte_view(c.cache)
             for off, first, n in block_runs(c.ids):
                 for j in range(0, n, limit):
                     k = min(limit, n - j)
+                    at = (first + j) * per
+                    view = whole[at : at + k * per]
                     end = start + (off + j + k) * per
-                    tasks.append(
-                        (end, base + (first + j) * per, s + (off + j) * per, k * per, None)
-                    )
+                    tasks.append((end, base + at, s + (off + j) * per, k * per, view, None))
         tasks.sort(key=lambda t: t[0])
         return tasks
 

@@ -23,17 +23,19 @@ Streams over objects that are not frames (a raw buffer) are :class:`CompleteStre
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import torch
+import xxhash
 
 from vllm_omni_kv.closing import Closing
-from vllm_omni_kv.errors import KVTransferCancelled, KVTransferError
+from vllm_omni_kv.errors import KVPayloadError, KVTransferCancelled, KVTransferError
 from vllm_omni_kv.wire.digests import Run, Span, verify_chunk
-from vllm_omni_kv.wire.prelude import PACK_STEP
+from vllm_omni_kv.wire.prelude import DIGEST, DIGEST_SIZE, PACK_STEP
 from vllm_omni_kv.wire.unpack import FrameInfo, materialize, parse
 
 #: ``load`` value meaning "every requested byte": compares above any frame offset
@@ -44,10 +46,16 @@ __all__ = [
     "ArrivedFrameStream",
     "ChunkedStream",
     "CompleteStream",
+    "CopyOut",
     "PayloadStream",
     "Span",
     "tensor_span",
 ]
+
+
+#: one copy out of a frame: frame bytes ``[start, end)`` go to host address ``dst``;
+#: ``view`` is a writable byte view of exactly those ``end - start`` destination bytes
+CopyOut = tuple[int, int, int, memoryview]
 
 
 def check_cancel(cancel: threading.Event | None, what: str) -> None:
@@ -88,6 +96,26 @@ class PayloadStream(Closing):
         """``load`` of every byte of the frame."""
         return self.load(None, deadline, cancel)
 
+    def copy_into(
+        self, copies: Sequence[CopyOut], deadline: float, cancel: threading.Event | None = None
+    ) -> None:
+        """Copy frame ranges (sorted by start, disjoint) to host memory, every byte verified.
+
+        Replaces ``load`` (a stream is read once). Needs ``frame_address``. The
+        default loads each range, then copies it; chunked streams copy first and
+        verify the copy while it is in cache. On an error, destinations may hold
+        part of the frame: do not use them.
+        """
+        base = self.frame_address
+        if base is None:
+            raise KVTransferError("this stream's tensors are not views of one frame: use load()")
+        i = 0
+        for ready in self.load(_copy_spans(copies), deadline, cancel):
+            while i < len(copies) and copies[i][1] <= ready:
+                start, end, dst, _view = copies[i]
+                ctypes.memmove(dst, base + start, end - start)
+                i += 1
+
     def close(self) -> None:
         """Release the backend's hold on the frame (views of ``obj`` keep its memory)."""
         self.obj = None
@@ -109,6 +137,22 @@ class CompleteStream(PayloadStream):
     ) -> Iterator[int]:
         check_cancel(cancel, "the load")
         yield ALL_READY
+
+
+def _copy_spans(copies: Sequence[CopyOut]) -> list[Span]:
+    spans: list[Span] = []
+    last = -1
+    for start, end, _dst, view in copies:
+        if start < last or end < start or view.nbytes != end - start:
+            raise KVTransferError(
+                "copy_into needs sorted, disjoint copies whose views match their ranges"
+            )
+        last = end
+        if spans and spans[-1][1] == start:
+            spans[-1] = (spans[-1][0], end)
+        else:
+            spans.append((start, end))
+    return spans
 
 
 def tensor_span(stream: PayloadStream, t: torch.Tensor) -> Span:
@@ -167,27 +211,105 @@ class ChunkedStream(PayloadStream):
     def _finish(self, deadline: float, cancel: threading.Event | None) -> None:
         """Runs after the last requested chunk, before the final value is yielded."""
 
+    def _failed(self) -> None:
+        """Runs when ``load`` or ``copy_into`` raises (before the error propagates)."""
+
+    def _begin(self, spans: Sequence[Span] | None, cancel: threading.Event | None) -> None:
+        if self._mv is None:
+            raise KVTransferError("the stream is closed")
+        if self._started:
+            raise KVTransferError("a stream can be read (load / copy_into) only once")
+        self._started = True
+        check_cancel(cancel, "the load")
+        for a, b in spans or ():
+            if not 0 <= a <= b <= self.size:
+                raise KVTransferError(f"load span [{a}, {b}) is outside the {self.size}-byte frame")
+
     def load(
         self,
         spans: Sequence[Span] | None,
         deadline: float,
         cancel: threading.Event | None = None,
     ) -> Iterator[int]:
-        if self._mv is None:
-            raise KVTransferError("the stream is closed")
-        if self._started:
-            raise KVTransferError("a stream's load() / ready() can be iterated only once")
-        self._started = True
-        check_cancel(cancel, "the load")
-        if spans is not None:
-            for a, b in spans:
-                if not 0 <= a <= b <= self.size:
-                    raise KVTransferError(
-                        f"load span [{a}, {b}) is outside the {self.size}-byte frame"
-                    )
-        yield from self._bring(self._info.chunks.runs(spans), deadline, cancel)
-        self._finish(deadline, cancel)
+        self._begin(spans, cancel)
+        try:
+            yield from self._bring(self._info.chunks.runs(spans), deadline, cancel)
+            self._finish(deadline, cancel)
+        except GeneratorExit:
+            raise
+        except BaseException:
+            self._failed()
+            raise
         yield self.size
+
+    def copy_into(
+        self, copies: Sequence[CopyOut], deadline: float, cancel: threading.Event | None = None
+    ) -> None:
+        spans = _copy_spans(copies)
+        self._begin(spans, cancel)
+        try:
+            self._copy_out(copies, spans, deadline, cancel)
+            self._finish(deadline, cancel)
+        except BaseException:
+            self._failed()
+            raise
+
+    def _copy_out(
+        self,
+        copies: Sequence[CopyOut],
+        spans: Sequence[Span],
+        deadline: float,
+        cancel: threading.Event | None,
+    ) -> None:
+        """Copy each range once its chunks are final; a chunk that lies inside one copy is
+        verified in its destination right after the copy (the bytes are in cache, and
+        what is checked is what was written), any other chunk in the frame before."""
+        mv, cm, base = self._mv, self._info.chunks, self.frame_address
+        assert mv is not None and base is not None
+        trailer, verify, count = cm.trailer_start, self._verify, self.count_chunks
+        runs = cm.runs(spans)
+        extents = [cm.extent(r) for r in runs]
+        chunks = [c for r in runs for c in cm.iter_bounds(*r)]
+        ri, ci, done_k, avail = 0, 0, -1, 0
+        digest, xxh = DIGEST.unpack_from, xxhash.xxh3_64_intdigest
+        for start, end, dst, view in copies:
+            if end <= start:
+                continue
+            while ci < len(chunks) and chunks[ci][2] <= start:
+                ci += 1
+            if ci == len(chunks) or chunks[ci][1] > start:
+                raise KVTransferError(f"copy of frame bytes [{start}, {end}) is not tensor data")
+            last = ci
+            while last + 1 < len(chunks) and chunks[last + 1][1] < end:
+                last += 1
+            need = chunks[last][2]
+            if need < end:
+                raise KVTransferError(f"copy of frame bytes [{start}, {end}) is not tensor data")
+            if need > avail:
+                while extents[ri][1] <= start:
+                    ri += 1
+                avail = self._wait(
+                    max(avail, extents[ri][0]), need, extents[ri][1], deadline, cancel
+                )
+            if verify:
+                for k, s, e in chunks[ci : last + 1]:
+                    if k > done_k and (s < start or e > end):
+                        verify_chunk(mv, trailer, k, s, e)
+            ctypes.memmove(dst, base + start, end - start)
+            for k, s, e in chunks[ci : last + 1]:
+                if k <= done_k:
+                    continue
+                if verify and start <= s and e <= end:
+                    want = digest(mv, trailer + DIGEST_SIZE * k)[0]
+                    if xxh(view[s - start : e - start]) != want:
+                        raise KVPayloadError(
+                            f"chunk {k} (frame bytes [{s}, {e})) checksum mismatch: the "
+                            "payload was corrupted or overwritten in transit"
+                        )
+                if count:
+                    self.moved += e - s
+            done_k = max(done_k, chunks[last][0])
+            check_cancel(cancel, "the load")
 
     def _bring(
         self, runs: Sequence[Run], deadline: float, cancel: threading.Event | None

@@ -5,14 +5,15 @@ zeroes every page), and mapping one costs a page-table walk. So a producer
 keeps a few large segments mapped for its whole life and reuses them; a
 consumer caches its mappings of them. Files in ``/dev/shm``:
 
-* ``omnikv_seg_<pid>_<id>`` - an arena segment of the producer ``pid``. Its first
+* ``omnikv_seg_<pid>_<ns>_<id>`` - an arena segment of the producer ``pid`` (``ns``: a
+  short hash of the backend's ``namespace``, so tools can tell namespaces apart). Its first
   64 bytes are a slot header: ``u64 state | u64 generation | u64 progress |
   u64 abandoned``; the frame follows at offset 64. States: FREE,
   PUBLISHED (a reader may claim it), ONESHOT (a one-off segment the reader
   unlinks after use; also "reserved" while a producer writes a pooled one),
   STREAMING (published while the producer is still writing: ``progress`` leading
   frame bytes are final) and ABORTED (the producer failed mid-write).
-* ``omnikv_idx_<digest>`` - the index entry of one key: ``b"R"`` (complete) or
+* ``omnikv_idx_<ns>_<digest>`` - the index entry of one key: ``b"R"`` (complete) or
   ``b"S"`` (streamed: possibly still being written) + msgpack ``{seg, gen, size,
   pid, pooled}`` pointing into a segment, or ``b"I"`` + an inline frame for small
   payloads. Written under a temporary name then renamed, so readers never see
@@ -29,6 +30,7 @@ Files of dead processes are swept by :func:`sweep_orphans`.
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 import os
 import threading
@@ -55,6 +57,27 @@ def size_class(n: int) -> int:
     n = max(n, 1 << 20)
     step = 1 << max(n.bit_length() - 4, 12)
     return (n + step - 1) // step * step
+
+
+def namespace_tag(namespace: str) -> str:
+    """The short tag every file of ``namespace`` carries in its name."""
+    return hashlib.blake2b(namespace.encode(), digest_size=4).hexdigest()
+
+
+def namespace_files(namespace: str) -> set[str]:
+    """Names of the arena files (segments, index entries, claims) of ``namespace``."""
+    tag = namespace_tag(namespace)
+    try:
+        names = os.listdir(SHM_DIR)
+    except FileNotFoundError:
+        return set()
+    out = set()
+    for n in names:
+        if n.startswith(IDX_PREFIX + tag + "_"):
+            out.add(n)
+        elif n.startswith(SEG_PREFIX) and n[len(SEG_PREFIX) :].split("_")[1:2] == [tag]:
+            out.add(n)
+    return out
 
 
 def path(name: str) -> str:
@@ -129,10 +152,11 @@ class Segment:
 class ProducerArena:
     """The segments one producer process owns and reuses."""
 
-    def __init__(self, max_bytes: int, populate: bool = True) -> None:
+    def __init__(self, max_bytes: int, populate: bool = True, namespace: str = "default") -> None:
         self.max_bytes = max_bytes
         self.populate = populate
         self.pid = os.getpid()
+        self.tag = namespace_tag(namespace)
         self._segments: list[Segment] = []
         self._uses = 0
         self._lock = threading.Lock()
@@ -169,7 +193,7 @@ class ProducerArena:
             return seg, pooled
 
     def _new_segment(self, capacity: int) -> Segment:
-        name = f"{SEG_PREFIX}{self.pid}_{uuid.uuid4().hex[:16]}"
+        name = f"{SEG_PREFIX}{self.pid}_{self.tag}_{uuid.uuid4().hex[:16]}"
         fd = _create_file(name, DATA_OFFSET + capacity)
         try:
             flags = mmap.MAP_SHARED | (POPULATE if self.populate else 0)

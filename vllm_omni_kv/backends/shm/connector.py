@@ -41,7 +41,8 @@ logger = init_logger(__name__)
 def index_name(namespace: str, from_stage: str, to_stage: str, key: str) -> str:
     """The index-entry name for ``key`` on the edge ``from_stage -> to_stage``."""
     ident = "\0".join((namespace, str(from_stage), str(to_stage), str(key)))
-    return arena.IDX_PREFIX + hashlib.blake2b(ident.encode(), digest_size=16).hexdigest()
+    digest = hashlib.blake2b(ident.encode(), digest_size=16).hexdigest()
+    return f"{arena.IDX_PREFIX}{arena.namespace_tag(namespace)}_{digest}"
 
 
 def _ordered_stores() -> bool:
@@ -97,7 +98,7 @@ class SharedMemoryConnector(OmniConnectorBase):
         self.stage_id = self.config.get("stage_id", -1)
         self.device = self.config.get("device", "cpu")
         self._arena = arena.ProducerArena(
-            pool_max, populate=bool(self.config.get("populate", True))
+            pool_max, populate=bool(self.config.get("populate", True)), namespace=self.namespace
         )
         self._maps = reader.ConsumerMaps()
         self._lock = threading.Lock()

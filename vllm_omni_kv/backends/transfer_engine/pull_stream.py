@@ -182,19 +182,8 @@ class PullFrameStream(ChunkedStream):
             self._pull(start, end, deadline, cancel)
         return end
 
-    def load(
-        self,
-        spans: Sequence[Span] | None,
-        deadline: float,
-        cancel: threading.Event | None = None,
-    ) -> Iterator[int]:
-        try:
-            yield from super().load(spans, deadline, cancel)
-        except GeneratorExit:
-            raise
-        except BaseException:
-            self._lease.end(False)  # the sender keeps the block for a retry
-            raise
+    def _failed(self) -> None:
+        self._lease.end(False)  # the sender keeps the block for a retry
 
     def _finish(self, deadline: float, cancel: threading.Event | None) -> None:
         if not self._lease.end(True):
