@@ -88,7 +88,9 @@ def _manager(
             need_send_cache=send,
             need_recv_cache=not send,
             recv_timeout=60.0,
-            poll_interval=0.0001,  # the receiver waits on the critical path: poll tightly
+            # the receiver waits on the critical path: poll tightly (no backoff)
+            poll_interval=0.0001,
+            max_poll_interval=0.0001,
             max_part_bytes=max_part_bytes,
         )
     )

@@ -72,16 +72,6 @@ class BufferAllocator:
         with self._lock:
             return [(o, self._free_sizes[o]) for o in self._free_offsets]
 
-    def is_allocated(self, offset: int) -> bool:
-        with self._lock:
-            return offset in self._allocated
-
-    def size_of(self, offset: int) -> int:
-        with self._lock:
-            if offset not in self._allocated:
-                raise KVTransferError(f"offset {offset} is not an allocated block of this pool")
-            return self._allocated[offset]
-
     # -- alloc / free --------------------------------------------------------------
     def alloc(self, size: int) -> int:
         """Reserve ``size`` bytes; raise ``KVTransferError`` when no free block is large enough."""
