@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import xxhash
 
@@ -193,10 +194,15 @@ def verify_head(mv: memoryview, p: Prelude) -> None:
         )
 
 
-def verify_chunk(mv: memoryview, trailer_start: int, k: int, start: int, end: int) -> None:
-    """Check chunk ``k`` (frame bytes ``[start, end)``) against its trailer digest."""
+def verify_chunk(
+    mv: memoryview, trailer_start: int, k: int, start: int, end: int, data: Any = None
+) -> None:
+    """Check chunk ``k`` (frame bytes ``[start, end)``) against its trailer digest.
+
+    ``data``: where the chunk's bytes are checked (e.g. a copy of them); default the frame.
+    """
     expected = DIGEST.unpack_from(mv, trailer_start + DIGEST_SIZE * k)[0]
-    got = xxhash.xxh3_64_intdigest(mv[start:end])
+    got = xxhash.xxh3_64_intdigest(mv[start:end] if data is None else data)
     if got != expected:
         raise KVPayloadError(
             f"chunk {k} (frame bytes [{start}, {end})) checksum mismatch (expected "

@@ -30,12 +30,11 @@ from typing import Any
 
 import numpy as np
 import torch
-import xxhash
 
 from vllm_omni_kv.closing import Closing
-from vllm_omni_kv.errors import KVPayloadError, KVTransferCancelled, KVTransferError
+from vllm_omni_kv.errors import KVTransferCancelled, KVTransferError
 from vllm_omni_kv.wire.digests import Run, Span, verify_chunk
-from vllm_omni_kv.wire.prelude import DIGEST, DIGEST_SIZE, PACK_STEP
+from vllm_omni_kv.wire.prelude import PACK_STEP
 from vllm_omni_kv.wire.unpack import FrameInfo, materialize, parse
 
 #: ``load`` value meaning "every requested byte": compares above any frame offset
@@ -271,7 +270,6 @@ class ChunkedStream(PayloadStream):
         extents = [cm.extent(r) for r in runs]
         chunks = [c for r in runs for c in cm.iter_bounds(*r)]
         ri, ci, done_k, avail = 0, 0, -1, 0
-        digest, xxh = DIGEST.unpack_from, xxhash.xxh3_64_intdigest
         for start, end, dst, view in copies:
             if end <= start:
                 continue
@@ -300,12 +298,7 @@ class ChunkedStream(PayloadStream):
                 if k <= done_k:
                     continue
                 if verify and start <= s and e <= end:
-                    want = digest(mv, trailer + DIGEST_SIZE * k)[0]
-                    if xxh(view[s - start : e - start]) != want:
-                        raise KVPayloadError(
-                            f"chunk {k} (frame bytes [{s}, {e})) checksum mismatch: the "
-                            "payload was corrupted or overwritten in transit"
-                        )
+                    verify_chunk(mv, trailer, k, s, e, view[s - start : e - start])
                 if count:
                     self.moved += e - s
             done_k = max(done_k, chunks[last][0])
