@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0+cpu
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml scripts/setup_env.sh 2>/dev/null | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: env test lint typecheck pytest demo demo-ar bench clean doctor
+.PHONY: env test lint typecheck pytest demo demo-ar bench clean doctor gpu-wheels gpu-check
 
 env: $(STAMP)
 
@@ -44,6 +44,30 @@ demo-ar: env
 
 bench: env
 	$(PY) benchmarks/transfer_bench.py
+
+# GPU check, on a machine with torch + CUDA and no vLLM or package registry (the device
+# tool's machine): the layout emulator suite and the transfer core's CUDA tests on `cuda`.
+# `make gpu-wheels` (here, with a registry) puts the pure dependencies that machine may
+# lack in $(GPU_WHEELS)/ (git-ignored, ~6 MiB; carry it); `make gpu-check` installs the
+# missing ones from there and runs the tests with the machine's python3.
+GPU_PY ?= python3
+GPU_WHEELS ?= .gpu-wheels
+GPU_DEPS := msgpack xxhash pyzmq pyyaml safetensors numpy pytest pytest-timeout pluggy iniconfig packaging hypothesis attrs sortedcontainers
+GPU_TESTS := tests/connector/test_layout_emulated.py tests/kvcache/test_cache_layout.py tests/wire/test_codec.py
+
+gpu-wheels: env
+	for v in 3.10 3.11 3.12 3.13; do \
+	  $(PIP) download -q --only-binary=:all: --no-deps --python-version $$v \
+	    --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+	    --platform manylinux_2_28_x86_64 -d $(GPU_WHEELS) $(GPU_DEPS) || exit 1; \
+	done
+
+gpu-check:
+	$(GPU_PY) -c "import torch; assert torch.cuda.is_available(), 'gpu-check needs a CUDA device'"
+	$(GPU_PY) -m pip install -q --no-index --find-links $(GPU_WHEELS) $(GPU_DEPS) 2>/dev/null \
+	  || $(GPU_PY) -c "import msgpack, xxhash, zmq, yaml, safetensors, pytest"
+	OMNIKV_TEST_DEVICE=cuda PYTHONPATH=$(CURDIR) $(GPU_PY) -m pytest -q -p no:cacheprovider \
+	  $(GPU_TESTS) -k "layout or emulat or accelerator or cuda"
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -74,6 +74,53 @@ def _row(path: str, nbytes: int, seconds: float, memcpy_s: float, **extra: Any) 
     }
 
 
+# -- two memcpys at once: what a pipelined two-copy move can reach on this host ------------------
+
+
+def _copy_worker(nbytes: int, repeats: int, barrier: Any, conn: Any) -> None:
+    torch.set_num_threads(1)
+    src = torch.empty(nbytes, dtype=torch.uint8).random_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(repeats + 1):  # both copies start together every round
+        barrier.wait()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    conn.send(statistics.median(times[1:]))
+    conn.close()
+
+
+def concurrent_memcpy(nbytes: int, repeats: int) -> float:
+    """Median seconds of one memcpy of ``nbytes`` while another process copies as much.
+
+    A streamed move runs two copies at once (the producer packs into shared memory
+    while the consumer copies out of it); where both share memory bandwidth, this
+    is the pace each copy can keep.
+    """
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(2)
+    pipes = [ctx.Pipe(duplex=False) for _ in range(2)]
+    procs = [
+        ctx.Process(target=_copy_worker, args=(nbytes, repeats, barrier, w)) for _r, w in pipes
+    ]
+    for p in procs:
+        p.start()
+    try:
+        out = []
+        for r, _w in pipes:
+            if not r.poll(120):
+                raise RuntimeError("a memcpy worker did not report (see its traceback)")
+            out.append(r.recv())
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    return max(out)
+
+
 # -- the two-process shared-memory move --------------------------------------------------------
 
 
@@ -167,6 +214,7 @@ def shm_move(
     return statistics.median(times), size
 
 
+PAIR_ROW = "memcpy, 2 processes at once (each)"
 #: (row, payload format, max_part_bytes, stream); the first row is the default configuration
 MOVES: list[tuple[str, str, int | None, bool]] = [
     ("shm move, blocks, streamed (cache->cache, 2 procs)", "blocks", None, True),
@@ -205,12 +253,23 @@ def measure_size(mib: int, repeats: int, trials: int) -> list[dict[str, Any]]:
     unpack_nv = _median_seconds(lambda: KVCacheTransferData.from_bytes(buf, verify=False), repeats)
     rows.append(_row("unpack (no verify, views)", frame.nbytes, unpack_nv, memcpy_s))
     samples: dict[str, list[tuple[float, float, int]]] = {m[0]: [] for m in MOVES}
+    pairs: list[tuple[float, float]] = []
     for _ in range(trials):
         base = memcpy()
+        pairs.append((concurrent_memcpy(nbytes, repeats * 2), base))
         for path, fmt, part, stream in MOVES:
             move_s, size = shm_move(nbytes, repeats, fmt, max_part_bytes=part, stream=stream)
             samples[path].append((move_s, base, size))
+    pair = _row(
+        PAIR_ROW,
+        nbytes,
+        statistics.median(p for p, _ in pairs),
+        statistics.median(b for _, b in pairs),
+    )
+    pair["fraction_of_memcpy"] = statistics.median(b / p for p, b in pairs)
+    rows.append(pair)
     line = f"{mib:4d} MiB  memcpy {nbytes / memcpy_s / 1e9:6.2f} GB/s | pack {frame.nbytes / pack_s / 1e9:6.2f}"
+    line += f" | 2 memcpys at once: {pair['fraction_of_memcpy']:.0%} each"
     for path, _fmt, part, stream in MOVES:
         got = samples[path]
         fractions = [b / m for m, b, _ in got]
@@ -219,6 +278,10 @@ def measure_size(mib: int, repeats: int, trials: int) -> list[dict[str, Any]]:
         row = _row(path, size, move_s, statistics.median(b for _, b, _ in got))
         row["fraction_of_memcpy"] = statistics.median(fractions)
         row["fraction_samples"] = [round(f, 3) for f in fractions]
+        # each trial's move against the two-at-once memcpy measured in the same trial
+        row["fraction_of_concurrent_memcpy"] = statistics.median(
+            p / m for (m, _, _), (p, _) in zip(got, pairs, strict=True)
+        )
         row["max_part_bytes"] = part
         row["stream"] = stream
         rows.append(row)

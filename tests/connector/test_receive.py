@@ -15,6 +15,7 @@ import pytest
 import torch
 from _kv_fixtures import BS, LAYERS, cpu_layout_cache, head_shard, reference_kv
 
+from vllm_omni_kv.connector.engine_layout import EngineLayout
 from vllm_omni_kv.connector.metadata import LoadSpec
 from vllm_omni_kv.connector.receive import Received, layer_caches, receive
 from vllm_omni_kv.errors import ConfigError, KVPayloadError
@@ -29,6 +30,7 @@ SEQ = 300
 SRC_IDS = [7, 2, 9, 0, 4, 11, 5, 1, 3, 8]
 DST_IDS = [3, 4, 5, 6, 7, 8, 9, 10, 11, 0]
 DIGEST = "abc123"
+CPU_ENGINE = EngineLayout(BS, "LBHNC", "CPU_ATTN")
 
 
 @pytest.fixture
@@ -70,7 +72,7 @@ def _spec(local: int = 0, digest: str = DIGEST, prompt: int = SEQ) -> LoadSpec:
 
 
 def _layers(caches: list[torch.Tensor]) -> list:
-    return layer_caches({f"layer{i}": c for i, c in enumerate(caches)}, BS)
+    return layer_caches({f"layer{i}": c for i, c in enumerate(caches)}, CPU_ENGINE)
 
 
 def _send_blocks(ns: str, src: list[torch.Tensor], key: str = "k", **md: object) -> None:
@@ -164,5 +166,9 @@ def test_two_source_shards_merge_into_one_consumer(ns: str) -> None:
 
 
 def test_an_unreadable_cache_layout_fails_at_registration() -> None:
-    with pytest.raises(ConfigError, match="cannot read the KV cache layout"):
-        layer_caches({"l0": torch.zeros(3, 3)}, BS)
+    with pytest.raises(ConfigError, match="4-D per-layer KV cache"):
+        layer_caches({"l0": torch.zeros(3, 3)}, CPU_ENGINE)
+    # an LBNHC-strided view registered by an engine that says LBHNC
+    lbnhc = torch.zeros(8, BS, 2, 128).transpose(1, 2)
+    with pytest.raises(ConfigError, match="not in LBHNC order"):
+        layer_caches({"l0": lbnhc}, EngineLayout(BS, "LBHNC", "FLASH_ATTN"))

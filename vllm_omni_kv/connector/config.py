@@ -28,6 +28,10 @@ first request. Accepted fields::
                          "paged_blocks" (alias: "raw_blocks") or "token_major"
     max_part_bytes       payloads above this travel as layer-wise parts (0: never; default:
                          one frame over shared memory, 8 MiB parts over other backends)
+    kv_cache_layout      a vLLM KVCacheLayout name (LBHNC, LBNHC, ..., or NHD / HND) the
+                         connector asks vLLM for (get_required_kvcache_layout); default:
+                         none, the attention backend's choice (LBNHC on CUDA, LBHNC on
+                         CPU). Equal layouts on both sides copy blocks byte for byte
     transfer_cpus        CPUs of the backend's threads (side channel, transfer-engine
                          I/O): "auto" (default: the CPUs the worker process had before
                          vLLM pinned its main thread), "inherit" (stay on the main
@@ -45,6 +49,7 @@ from vllm_omni_kv.backends.factory import OmniConnectorFactory
 from vllm_omni_kv.backends.spec import ConnectorSpec, load_omni_transfer_config
 from vllm_omni_kv.connector.affinity import parse_cpu_list
 from vllm_omni_kv.errors import ConfigError
+from vllm_omni_kv.kvcache.cache_layout import layout_name
 
 KNOWN_FIELDS: frozenset[str] = frozenset(
     {
@@ -65,6 +70,7 @@ KNOWN_FIELDS: frozenset[str] = frozenset(
         "remote_port",
         "transfer_format",
         "transfer_cpus",
+        "kv_cache_layout",
     }
 )
 TRANSFER_FORMATS = ("auto", "paged_blocks", "token_major")
@@ -93,6 +99,7 @@ class OmniKVConfig:
     remote_port: int = 0
     transfer_format: str = "auto"
     transfer_cpus: str = "auto"
+    kv_cache_layout: str | None = None
 
     @property
     def backend_name(self) -> str:
@@ -236,8 +243,17 @@ def parse_omni_kv_config(raw: Mapping[str, Any] | None) -> OmniKVConfig:
         raise ConfigError(
             f"{_WHERE}.transfer_format must be one of {TRANSFER_FORMATS}, got {fmt!r}"
         )
+    layout = raw.get("kv_cache_layout")
+    if layout is not None:
+        if not isinstance(layout, str):
+            raise ConfigError(f"{_WHERE}.kv_cache_layout must be a layout name, got {layout!r}")
+        try:
+            layout = layout_name(layout)
+        except ConfigError as e:
+            raise ConfigError(f"{_WHERE}.kv_cache_layout: {e}") from None
     return OmniKVConfig(
         backend=spec,
+        kv_cache_layout=layout,
         transfer_format=str(fmt),
         transfer_cpus=cpus,
         from_stage=from_stage,

@@ -11,10 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import xxhash
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorMetadata,
-    KVConnectorWorkerMetadata,
-)
+
+from vllm_omni_kv.connector.vllm_bases import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9.\-]")
 

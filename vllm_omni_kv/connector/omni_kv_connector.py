@@ -62,7 +62,18 @@ class OmniKVConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._sched = OmniKVScheduler(vllm_config, self.omni_config, engine_id)
         else:
-            self._worker = OmniKVWorker(vllm_config, self.omni_config, engine_id)
+            self._worker = OmniKVWorker(
+                vllm_config, self.omni_config, engine_id, kv_cache_config=kv_cache_config
+            )
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """The layout named in ``kv_connector_extra_config.kv_cache_layout``; by default
+        none: the connector reads whatever layout the attention backend resolves and
+        converts between producer and consumer layouts when they differ."""
+        ktc = getattr(vllm_config, "kv_transfer_config", None)
+        extra = getattr(ktc, "kv_connector_extra_config", None) or {}
+        return parse_omni_kv_config(extra).kv_cache_layout
 
     # -- helpers ---------------------------------------------------------------------------
     @property

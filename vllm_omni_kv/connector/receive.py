@@ -10,23 +10,25 @@ sliced, and the missing tokens are written.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 
+from vllm_omni_kv.connector.compat import COMPAT_KEY, CompatIdentity
+from vllm_omni_kv.connector.engine_layout import EngineLayout
 from vllm_omni_kv.connector.metadata import LoadSpec
 from vllm_omni_kv.errors import ConfigError, KVPayloadError
+from vllm_omni_kv.kvcache.cache_layout import KVLayoutId, block_kv
 from vllm_omni_kv.kvcache.formats import InjectionPlan, plan_injection
 from vllm_omni_kv.kvcache.kv_utils import (
     KVTPTopology,
     LayerKV,
-    detect_kv_layout,
     merge_received_rank_shards,
-    normalize_layer_kv,
     slice_received_rank_shard,
 )
 from vllm_omni_kv.kvcache.meta import PayloadMeta
@@ -42,38 +44,59 @@ class LayerCache:
     """One attention layer's paged cache as vLLM registered it."""
 
     name: str
-    cache: LayerKV  # the registered tensor (or (key, value) tuple)
-    layout: str
-    key: torch.Tensor  # [num_blocks, block_size, heads, dim] view of the keys
+    cache: torch.Tensor  # vLLM's 4-D view [kernel blocks, kv heads, kernel block size, C]
+    ident: KVLayoutId
+    #: K and V as ``[blocks, block_size, heads, head_size]`` views (token-major payloads);
+    #: None where the layout cannot be viewed that way (MLA, or kernel blocks split a
+    #: head-major block)
+    kv: tuple[torch.Tensor, torch.Tensor] | None
 
 
-def layer_caches(kv_caches: dict[str, Any], block_size: int) -> list[LayerCache]:
-    """Check vLLM's per-layer caches; raise ``ConfigError`` for a layout we cannot read."""
-    layers = []
-    for i, (name, cache) in enumerate(kv_caches.items()):
-        kv = normalize_layer_kv(cache, layer_idx=i)
-        if kv is None:
+def layer_caches(kv_caches: dict[str, Any], engine: EngineLayout) -> list[LayerCache]:
+    """Check vLLM's per-layer caches against the engine's layout; ``ConfigError`` when one
+    does not fit (or layers disagree)."""
+    layers: list[LayerCache] = []
+    for name, cache in kv_caches.items():
+        ident = engine.identity(cache, name)
+        if layers and ident != layers[0].ident:
             raise ConfigError(
-                f"OmniKVConnector cannot read the KV cache layout of layer {name!r} "
-                f"(shape {tuple(getattr(cache, 'shape', ()))}); supported: FlashAttention, "
-                "FlashInfer, (key, value) tuples and vLLM's CPU layout"
+                f"layer {name!r} ({ident.describe()}) differs from layer {layers[0].name!r} "
+                f"({layers[0].ident.describe()}): OmniKVConnector needs one KV layout per engine"
             )
-        if int(kv[0].shape[1]) != block_size:
-            raise ConfigError(
-                f"layer {name!r}: cache block size {kv[0].shape[1]} != configured "
-                f"block_size {block_size}"
-            )
-        layers.append(LayerCache(name, cache, detect_kv_layout(cache), kv[0]))
+        layers.append(LayerCache(name, cache, ident, block_kv(cache, ident)))
     return layers
 
 
-def check_payload(payload: dict[str, Any], spec: LoadSpec, block_size: int) -> None:
-    """Refuse a payload (or part) that was not produced for this request and cache."""
+def token_caches(layers: Sequence[LayerCache]) -> list[LayerKV]:
+    """The layers' ``(K, V)`` views for token-major payloads; ``KVPayloadError`` if absent."""
+    out: list[LayerKV] = []
+    for x in layers:
+        if x.kv is None:
+            raise KVPayloadError(
+                f"this cache ({x.ident.describe()}) has no per-token K/V view, so token-major "
+                "payloads (different TP sizes) cannot be written into it: run producer and "
+                "consumer with the same TP size and block size"
+            )
+        out.append(x.kv)
+    return out
+
+
+def check_payload(
+    payload: dict[str, Any], spec: LoadSpec, block_size: int, compat: CompatIdentity | None = None
+) -> None:
+    """Refuse a payload (or part) that was not produced for this request, model and cache."""
     md = payload.get("metadata") if isinstance(payload, dict) else None
     if not isinstance(md, dict) or md.get("prompt_digest") != spec.prompt_digest:
         raise KVPayloadError(
             "payload was produced for a different prompt (token digest mismatch): send the "
             "consumer exactly the prompt the producer prefilled"
+        )
+    diffs = compat.differences(md.get(COMPAT_KEY)) if compat is not None else []
+    if diffs:
+        raise KVPayloadError(
+            "payload was produced by an incompatible engine, its KV would give wrong tokens "
+            f"here: {'; '.join(diffs)}. Serve the same model (weights, tokenizer, dtype, "
+            "KV cache dtype) with the same vLLM and vllm-omni-kv releases on both stages"
         )
     meta = PayloadMeta.of(payload)
     if meta.num_tokens != spec.num_prompt_tokens:
@@ -116,6 +139,31 @@ class _Timed:
             self.seconds[0] += time.perf_counter() - t0
 
 
+_streams = threading.local()
+
+
+@contextlib.contextmanager
+def device_writes(device: torch.device | None) -> Iterator[None]:
+    """Run a load's writes into a CUDA cache on this thread's side stream, and wait for
+    them before returning: a load is reported (and vLLM's forward reads the blocks)
+    only after its bytes are on the device. A no-op for host caches."""
+    if device is None or device.type != "cuda":
+        yield
+        return
+    torch.cuda.set_device(device)  # this TP rank's device, in every load thread
+    streams = getattr(_streams, "by_device", None)
+    if streams is None:
+        streams = _streams.by_device = {}
+    stream = streams.get(device.index)
+    if stream is None:
+        stream = streams[device.index] = torch.cuda.Stream(device)
+    try:
+        with torch.cuda.stream(stream):
+            yield
+    finally:
+        stream.synchronize()
+
+
 def receive(
     session: TransferSession,
     layers: Sequence[LayerCache],
@@ -124,26 +172,48 @@ def receive(
     topo: KVTPTopology,
     deadline: float,
     cancel: threading.Event,
+    compat: CompatIdentity | None = None,
 ) -> Received:
-    """Load tokens ``[num_local_tokens, num_prompt_tokens)`` of ``spec``."""
-    caches = [x.cache for x in layers]
+    """Load tokens ``[num_local_tokens, num_prompt_tokens)`` of ``spec``; every payload
+    must carry ``compat`` (this engine's compatibility identity) when it is given."""
+    with device_writes(layers[0].cache.device if layers else None):
+        return _receive(session, layers, spec, keys, topo, deadline, cancel, compat)
+
+
+def _receive(
+    session: TransferSession,
+    layers: Sequence[LayerCache],
+    spec: LoadSpec,
+    keys: Sequence[tuple[str, dict[str, Any] | None]],
+    topo: KVTPTopology,
+    deadline: float,
+    cancel: threading.Event,
+    compat: CompatIdentity | None,
+) -> Received:
+    caches: list[Any] = [x.cache for x in layers]
     write = [0.0]
-    block_size = int(layers[0].key.shape[1]) if layers else 0
+    ident = layers[0].ident if layers else None
+    block_size = ident.block_size if ident else 0
     start = spec.num_local_tokens
     if len(keys) == 1 and not topo.is_heterogeneous:
         key, endpoint = keys[0]
 
         def plan(part: dict[str, Any], layer_start: int) -> InjectionPlan:
-            check_payload(part, spec, block_size)
-            local = caches[layer_start : layer_start + part_layer_count(part)]
-            return _Timed(plan_injection(part, local, spec.block_ids, start_token=start), write)
+            check_payload(part, spec, block_size, compat)
+            blocks = is_block_payload(part)
+            local = (caches if blocks else token_caches(layers))[
+                layer_start : layer_start + part_layer_count(part)
+            ]
+            lay = ident if blocks else None
+            injection = plan_injection(part, local, spec.block_ids, start_token=start, layout=lay)
+            return _Timed(injection, write)
 
         _n, moved = session.receive_into(key, endpoint, deadline, plan, cancel)
         return Received(spec.num_load_tokens, moved, write[0])
     payloads, moved = [], 0
     for key, endpoint in keys:
         obj, n = session.fetch(key, endpoint, deadline, cancel)
-        check_payload(obj, spec, block_size)
+        check_payload(obj, spec, block_size, compat)
         payloads.append(blocks_to_tokens(obj) if is_block_payload(obj) else obj)
         moved += n
     merged = merge_received_rank_shards(payloads)
@@ -153,6 +223,10 @@ def receive(
         raise KVPayloadError("no payload after merging rank shards")
     t0 = time.perf_counter()
     inject_request_kv(
-        merged, caches, spec.block_ids, start_token=start, num_tokens=spec.num_prompt_tokens
+        merged,
+        token_caches(layers),
+        spec.block_ids,
+        start_token=start,
+        num_tokens=spec.num_prompt_tokens,
     )
     return Received(spec.num_load_tokens, moved, time.perf_counter() - t0)

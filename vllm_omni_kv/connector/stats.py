@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm_omni_kv.connector.vllm_bases import KVConnectorStats
 
 COUNTERS: tuple[str, ...] = (
     "num_sends",

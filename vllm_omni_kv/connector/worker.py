@@ -33,7 +33,9 @@ import torch
 from vllm_omni_kv.backends.factory import OmniConnectorFactory
 from vllm_omni_kv.backends.spec import ConnectorSpec
 from vllm_omni_kv.connector.affinity import background_cpus, describe, spawn_on
+from vllm_omni_kv.connector.compat import COMPAT_KEY, engine_compat
 from vllm_omni_kv.connector.config import OmniKVConfig
+from vllm_omni_kv.connector.engine_layout import EngineLayout, engine_layout
 from vllm_omni_kv.connector.metadata import (
     DiscardSpec,
     LoadSpec,
@@ -41,7 +43,7 @@ from vllm_omni_kv.connector.metadata import (
     OmniKVWorkerMetadata,
     SaveSpec,
 )
-from vllm_omni_kv.connector.receive import LayerCache, layer_caches, receive
+from vllm_omni_kv.connector.receive import LayerCache, layer_caches, receive, token_caches
 from vllm_omni_kv.connector.stats import OmniKVConnectorStats
 from vllm_omni_kv.errors import (
     ConfigError,
@@ -50,7 +52,7 @@ from vllm_omni_kv.errors import (
     OmniKVError,
 )
 from vllm_omni_kv.kvcache.kv_utils import KVTPTopology, get_local_tp_rank, get_tp_world_size
-from vllm_omni_kv.kvcache.paged_blocks import block_bytes, extract_request_blocks
+from vllm_omni_kv.kvcache.paged_blocks import extract_request_blocks
 from vllm_omni_kv.kvcache.token_major import extract_request_kv
 from vllm_omni_kv.logger import init_logger
 from vllm_omni_kv.transfer.session import SessionPolicy, TransferSession, sender_endpoint
@@ -82,10 +84,23 @@ class _Outcome:
 class OmniKVWorker:
     """State of one worker process (one TP rank)."""
 
-    def __init__(self, vllm_config: VllmConfig, cfg: OmniKVConfig, engine_id: str) -> None:
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        cfg: OmniKVConfig,
+        engine_id: str,
+        kv_cache_config: Any = None,
+        engine: EngineLayout | None = None,
+    ) -> None:
+        """``engine``: the cache's layout facts; default read from ``vllm_config`` and
+        ``kv_cache_config`` when the caches are registered."""
         self.cfg = cfg
         self.engine_id = engine_id
+        self.vllm_config = vllm_config
+        self.kv_cache_config = kv_cache_config
+        self.engine = engine
         self.block_size = int(vllm_config.cache_config.block_size)
+        self.compat = engine_compat(vllm_config)
         self.tp_rank = get_local_tp_rank()
         self.tp_size = get_tp_world_size()
         self.target_tp_size = cfg.target_tp_size or self.tp_size
@@ -126,31 +141,33 @@ class OmniKVWorker:
 
     # -- setup ---------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.layers = layer_caches(kv_caches, self.block_size)
-        single = all(
-            isinstance(x.cache, torch.Tensor) and x.cache.is_contiguous() for x in self.layers
-        )
+        if self.engine is None:
+            self.engine = engine_layout(self.vllm_config, self.kv_cache_config)
+        self.layers = layer_caches(kv_caches, self.engine)
         fmt = self.cfg.transfer_format
-        self.paged_blocks = fmt != "token_major" and single and self.target_tp_size == self.tp_size
+        self.paged_blocks = fmt != "token_major" and self.target_tp_size == self.tp_size
         if fmt == "paged_blocks" and not self.paged_blocks:
             raise ConfigError(
                 "kv_connector_extra_config.transfer_format 'paged_blocks' needs equal producer "
-                "and consumer TP sizes and a single-tensor KV cache per layer; use 'auto'"
+                "and consumer TP sizes; use 'auto'"
+            )
+        if not self.paged_blocks and any(x.kv is None for x in self.layers):
+            raise ConfigError(
+                f"this engine's KV cache ({self.layers[0].ident.describe()}) has no per-token "
+                "K/V view, which token-major transfers (different TP sizes, or "
+                "transfer_format 'token_major') need: use equal TP sizes and 'auto'"
             )
         if self.layers:
-            k = self.layers[0].key
+            ident = self.layers[0].ident
             logger.info(
-                "OmniKVConnector worker (tp %d/%d, backend %s): %d layers, %d blocks of %d "
-                "tokens, %d kv heads x %d, %s, sends %s",
+                "OmniKVConnector worker (tp %d/%d, backend %s): %d layers of %d blocks, %s; "
+                "sends %s",
                 self.tp_rank,
                 self.tp_size,
                 self.cfg.backend_name,
                 len(self.layers),
-                k.shape[0],
-                k.shape[1],
-                k.shape[2],
-                k.shape[3],
-                k.dtype,
+                int(self.layers[0].cache.shape[0]) // ident.ratio,
+                ident.describe(),
                 "paged blocks" if self.paged_blocks else "token-major K/V",
             )
 
@@ -163,19 +180,27 @@ class OmniKVWorker:
             "tp_rank": self.tp_rank,
             "tp_size": self.tp_size,
             "layer_names": [layer.name for layer in self.layers],
+            COMPAT_KEY: self.compat.to_dict(),
         }
+        ident = self.layers[0].ident
         if self.paged_blocks:
-            tensors = [x.cache for x in self.layers if isinstance(x.cache, torch.Tensor)]
             data = extract_request_blocks(
-                spec.transfer_id, spec.block_ids, spec.num_tokens, list(tensors), metadata=md
+                spec.transfer_id,
+                spec.block_ids,
+                spec.num_tokens,
+                [x.cache for x in self.layers],
+                layout=ident,
+                metadata=md,
             )
-            return data, block_bytes(tensors[0], self.layers[0].layout)
-        caches = [layer.cache for layer in self.layers]
+            return data, ident.page_bytes
         data = extract_request_kv(
-            spec.transfer_id, spec.block_ids, spec.num_tokens, caches, metadata=md
+            spec.transfer_id,
+            spec.block_ids,
+            spec.num_tokens,
+            token_caches(self.layers),
+            metadata=md,
         )
-        k = self.layers[0].key
-        return data, self.block_size * int(k.shape[2]) * int(k.shape[3]) * k.element_size()
+        return data, ident.page_bytes // 2
 
     def _send(self, spec: SaveSpec) -> None:
         t0 = time.perf_counter()
@@ -282,6 +307,7 @@ class OmniKVWorker:
                 topo,
                 deadline,
                 cancel,
+                self.compat,
             )
         except KVTransferCancelled as e:
             for (key, _r), ep in zip(keys, endpoints, strict=True):  # tell the producer

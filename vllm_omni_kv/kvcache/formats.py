@@ -9,7 +9,7 @@ from typing import Any, Protocol
 from vllm_omni_kv.errors import KVPayloadError
 from vllm_omni_kv.kvcache.kv_utils import LayerKV
 from vllm_omni_kv.kvcache.meta import PAGED_BLOCKS, PayloadMeta
-from vllm_omni_kv.kvcache.paged_blocks import plan_block_injection
+from vllm_omni_kv.kvcache.paged_blocks import LayoutArg, plan_block_injection
 from vllm_omni_kv.kvcache.token_major import plan_token_injection
 from vllm_omni_kv.wire.stream import PayloadStream, Span
 
@@ -32,12 +32,14 @@ def plan_injection(
     block_ids: Sequence[int],
     *,
     start_token: int = 0,
-    layout: str | None = None,
+    layout: LayoutArg = None,
 ) -> InjectionPlan:
     """The plan that writes tokens ``[start_token, num_tokens)`` of ``data`` into ``block_ids``.
 
     ``kv_caches`` are the local layers ``data`` covers (for a layer-wise part, its
     slice); ``start_token`` is a multiple of the block size (a local prefix hit).
+    ``layout``: the local caches' layout identity (paged blocks), or a layout name
+    (token-major: see ``normalize_layer_kv``).
     """
     meta = PayloadMeta.of(data)
     if meta.format == PAGED_BLOCKS:
@@ -49,4 +51,5 @@ def plan_injection(
         return plan_block_injection(
             data, caches, block_ids, first_block=start_token // meta.block_size, layout=layout
         )
-    return plan_token_injection(data, kv_caches, block_ids, start_token=start_token, layout=layout)
+    name = layout if isinstance(layout, str) else None
+    return plan_token_injection(data, kv_caches, block_ids, start_token=start_token, layout=name)

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from vllm_omni_kv.errors import ConfigError, KVPayloadError
+from vllm_omni_kv.kvcache.cache_layout import KVLayoutId, block_kv, check_view
 from vllm_omni_kv.logger import init_logger
 
 logger = init_logger(__name__)
@@ -88,31 +89,59 @@ def _split(layer_kv: Any, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
     return key, value
 
 
+def _identity_views(
+    layer_kv: Any, ident: KVLayoutId, req_id: str, layer_idx: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    if not isinstance(layer_kv, torch.Tensor):
+        _warn_invalid(req_id, layer_idx, f"layout {ident.layout} needs vLLM's 4-D view")
+        return None
+    try:
+        check_view(layer_kv, ident)
+    except ConfigError as exc:
+        _warn_invalid(req_id, layer_idx, str(exc))
+        return None
+    kv = block_kv(layer_kv, ident)
+    if kv is None:
+        why = (
+            "an MLA latent cache has no separate K and V"
+            if ident.packing == "latent"
+            else ("kernel blocks split a head-major block, so a block's tokens are not one view")
+        )
+        _warn_invalid(req_id, layer_idx, f"{ident.describe()}: {why}")
+    return kv
+
+
 def normalize_layer_kv(
     layer_kv: LayerKV,
     *,
     req_id: str = "",
     layer_idx: int = -1,
-    layout: str | None = None,
+    layout: str | KVLayoutId | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Normalize one layer KV cache to a ``(key_blocks, value_blocks)`` tuple.
 
     Both are views ``[num_blocks, block_size, num_kv_heads, head_dim]`` sharing
-    storage with the cache, so writing into them injects.  Layouts:
+    storage with the cache, so writing into them injects.  ``layout`` is the
+    cache's :class:`~vllm_omni_kv.kvcache.cache_layout.KVLayoutId` (vLLM 0.32's 4-D
+    views: what the connector passes), or one of these names:
 
     * ``"flash"`` (FlashAttention): ``[2, nb, bs, h, d]``, K/V at dim 0.
     * ``"flashinfer"``: ``[nb, 2, bs, h, d]``, K/V at dim 1.
     * ``"tuple"``: ``(key, value)``, each ``[nb, bs, h, d]``, returned as-is.
     * ``"cpu"`` (vLLM CPU backend): ``[nb, h, bs, 2*d]`` whose memory per
-      (block, head) is ``bs`` rows of K followed by ``bs`` rows of V.
+      (block, head) is K transposed (``[d, bs]``) followed by V (``[bs, d]``).
+      A 4-D tensor without a ``layout`` is read this way (vLLM's CPU backend); pass
+      the identity for vLLM's GPU views.
 
     A 5-D tensor with dim 0 and dim 1 both 2 is ambiguous and read as
     ``"flash"`` unless ``layout`` says otherwise.  Invalid input logs a
     warning (naming ``req_id``/``layer_idx``) and returns None; an unknown
     ``layout`` name raises ConfigError.
     """
+    if isinstance(layout, KVLayoutId):
+        return _identity_views(layer_kv, layout, req_id, layer_idx)
     if layout is not None and layout not in KV_LAYOUTS:
-        raise ConfigError(f"layout must be one of {KV_LAYOUTS}, got {layout!r}")
+        raise ConfigError(f"layout must be a KVLayoutId or one of {KV_LAYOUTS}, got {layout!r}")
     try:
         if layout is None:
             layout = detect_kv_layout(layer_kv)

@@ -8,8 +8,9 @@ untouched; layer-wise parts add theirs (:mod:`vllm_omni_kv.transfer.parts`).
 
 Formats:
 
-* ``paged_blocks``: each layer's paged blocks exactly as the cache holds them
-  (``layer_blocks["kv_blocks"]``); ``kv_layout`` names the cache layout.
+* ``paged_blocks``: each layer's pages as the cache holds them
+  (``layer_blocks["kv_blocks"]``); ``kv_layout`` is the producer's layout identity
+  (:class:`~vllm_omni_kv.kvcache.cache_layout.KVLayoutId` as a mapping).
 * ``token_major``: ``[rows, heads, head_dim]`` K and V per layer
   (``layer_blocks["key_cache"]`` / ``["value_cache"]``).
 
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_omni_kv.errors import KVPayloadError
+from vllm_omni_kv.kvcache.cache_layout import KVLayoutId
 
 PAGED_BLOCKS = "paged_blocks"
 TOKEN_MAJOR = "token_major"
@@ -48,7 +50,7 @@ class PayloadMeta:
     block_size: int
     rows: int
     num_layers: int
-    kv_layout: str | None = None
+    kv_layout: KVLayoutId | None = None
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -64,8 +66,12 @@ class PayloadMeta:
         if self.format == PAGED_BLOCKS:
             if self.rows % self.block_size:
                 raise KVPayloadError("a paged-blocks payload holds whole blocks")
-            if not self.kv_layout:
-                raise KVPayloadError("a paged-blocks payload must name its kv_layout")
+            if self.kv_layout is None:
+                raise KVPayloadError("a paged-blocks payload must carry its layout identity")
+            if self.kv_layout.block_size != self.block_size:
+                raise KVPayloadError(
+                    "a paged-blocks payload's block size differs from its layout's"
+                )
 
     @property
     def num_blocks(self) -> int:
@@ -83,7 +89,7 @@ class PayloadMeta:
             "num_layers": self.num_layers,
         }
         if self.kv_layout is not None:
-            md["kv_layout"] = self.kv_layout
+            md["kv_layout"] = self.kv_layout.to_dict()
         return md
 
     @classmethod
@@ -93,8 +99,7 @@ class PayloadMeta:
         if not isinstance(md, dict):
             raise KVPayloadError("KV payload has no metadata mapping")
         fmt = md.get("format")
-        layout = md.get("kv_layout")
-        if layout is not None and not isinstance(layout, str):
-            raise KVPayloadError(f"KV payload kv_layout must be a string, got {layout!r}")
+        raw = md.get("kv_layout")
+        layout = None if raw is None else KVLayoutId.from_dict(raw)
         num_tokens, block_size, rows, num_layers = (_int_field(md, n) for n in _INTS)
         return cls(str(fmt), num_tokens, block_size, rows, num_layers, layout)

@@ -1,25 +1,25 @@
-"""The paged-blocks payload format: a request's whole paged blocks, copied byte for byte.
+"""The paged-blocks payload format: a request's pages (manager blocks of each layer), as
+the producer's cache holds them, plus the cache's layout identity.
 
-When producer and consumer run the same attention backend (same layout, dtype,
-block size and head shard), exchanging raw blocks is the cheapest move: one
-memcpy per run of blocks on each side, no per-token transposition (vLLM's CPU
-kernel stores K transposed inside a block). ``layer_blocks["kv_blocks"]`` holds,
-per layer, the cache restricted to the request's blocks in the layer's own
-layout (cpu ``[n, h, bs, 2d]``, flash ``[2, n, bs, h, d]``, flashinfer
-``[n, 2, bs, h, d]``; None for a skipped layer); the metadata is
-:class:`~vllm_omni_kv.kvcache.meta.PayloadMeta` with ``kv_layout``.
+``layer_blocks["kv_blocks"]`` holds, per layer, a ``[n, *page_shape]`` tensor: the
+request's ``n`` blocks in the producer's intra-block order (``[ratio, H, N, C]`` or
+``[ratio, N, H, C]``, see :mod:`vllm_omni_kv.kvcache.cache_layout`; None for a
+skipped layer). The metadata is :class:`~vllm_omni_kv.kvcache.meta.PayloadMeta`
+whose ``kv_layout`` is the producer's :class:`KVLayoutId`.
 
-A receiver plans where each payload block goes (:func:`plan_block_injection`);
-the plan names the frame byte spans it needs, so a consumer that already holds
-the first blocks of a prompt loads only the rest (:meth:`BlocksPlan.apply`).
+A receiver plans where each page goes (:func:`plan_block_injection`). When both
+identities give the bytes the same meaning, a page is copied byte for byte (one
+memcpy per run of blocks into a host cache); when they differ losslessly (CPU vs
+FlashAttention packing, NHD vs HND, other kernel blocks) each layer is converted
+through K/V token views on the consumer's device; otherwise the load fails with
+both identities named. The plan names the frame byte spans it needs, so a consumer
+that already holds the first blocks of a prompt loads only the rest.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import itertools
-import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -28,44 +28,46 @@ from typing import Any
 import torch
 
 from vllm_omni_kv.errors import ConfigError, KVPayloadError
-from vllm_omni_kv.kvcache.blocks import gather_request_kv
-from vllm_omni_kv.kvcache.kv_utils import detect_kv_layout, normalize_layer_kv
+from vllm_omni_kv.kvcache.cache_layout import (
+    KVLayoutId,
+    bits,
+    block_token_views,
+    check_view,
+    dense_pages,
+    infer_identity,
+    logical_from_pages,
+    page_view,
+)
 from vllm_omni_kv.kvcache.meta import PAGED_BLOCKS, TOKEN_MAJOR, PayloadMeta
 from vllm_omni_kv.wire.codec import PACK_STEP, LazyTensor
 from vllm_omni_kv.wire.payload import KVCacheTransferData
 from vllm_omni_kv.wire.stream import CopyOut, PayloadStream, Span
 
-BLOCK_DIM = {"cpu": 0, "flashinfer": 0, "flash": 1}
 KV_BLOCKS = "kv_blocks"
 #: gathers report progress about this often, so the packer hashes bytes still in cache
 STEP_BYTES = PACK_STEP
+#: what ``layout`` arguments accept: an identity, None (infer from the tensor), or
+#: ``"cpu"`` (vLLM's CPU backend, the name earlier releases used)
+LayoutArg = KVLayoutId | str | None
 
 
-def block_dim(layout: str) -> int:
-    """The block dimension of a single-tensor cache layout."""
-    if layout not in BLOCK_DIM:
-        raise ConfigError(
-            f"paged-blocks payloads need a single-tensor KV layout ({', '.join(BLOCK_DIM)}); "
-            f"got {layout!r}: use the token-major format instead"
+def resolve_identity(cache: torch.Tensor, layout: LayoutArg) -> KVLayoutId:
+    """The identity of ``cache``: ``layout`` when given, else read from the tensor."""
+    if isinstance(layout, KVLayoutId):
+        check_view(cache, layout)
+        return layout
+    if layout not in (None, "cpu"):
+        raise ConfigError(f"layout {layout!r}: pass a KVLayoutId (or 'cpu' for vLLM's CPU backend)")
+    if not isinstance(cache, torch.Tensor):
+        raise KVPayloadError(
+            "paged-blocks payloads need one tensor per layer: use the token-major format"
         )
-    return BLOCK_DIM[layout]
+    return infer_identity(cache, packing="kt_v" if layout == "cpu" else None)
 
 
-def block_bytes(cache: torch.Tensor, layout: str) -> int:
-    """Bytes of one block in one contiguous run of ``cache`` (per K/V half for flash)."""
-    dim = block_dim(layout)
-    return math.prod(cache.shape[dim + 1 :]) * cache.element_size()
-
-
-def _memmove_ok(cache: torch.Tensor, other: torch.Tensor, dim: int) -> bool:
-    return (
-        dim == 0
-        and cache.device.type == "cpu"
-        and other.device.type == "cpu"
-        and cache.is_contiguous()
-        and other.is_contiguous()
-        and cache.dtype == other.dtype
-    )
+def block_bytes(cache: torch.Tensor, layout: LayoutArg = None) -> int:
+    """Bytes of one page (one manager block of one layer) of ``cache``."""
+    return resolve_identity(cache, layout).page_bytes
 
 
 def block_runs(ids: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -80,60 +82,43 @@ def block_runs(ids: Sequence[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    # index_select/index_copy_ have no CPU kernels for fp8: same-size ints move the same bytes
-    return t.view(torch.uint8) if t.dtype.is_floating_point and t.element_size() == 1 else t
+def _addressable(pv: torch.Tensor) -> tuple[int, int] | None:
+    """``(page bytes, page stride in bytes)`` when pages of ``pv`` are host memory runs."""
+    if not dense_pages(pv):
+        return None
+    return pv[0].numel() * pv.element_size(), pv.stride(0) * pv.element_size()
 
 
-def iter_gather_blocks(
-    cache: torch.Tensor, layout: str, ids: Sequence[int], out: torch.Tensor
-) -> Iterator[int]:
-    """Copy blocks ``ids`` of ``cache`` into ``out``, yielding the bytes of ``out`` written so far.
+def iter_gather_pages(pv: torch.Tensor, ids: Sequence[int], out: torch.Tensor) -> Iterator[int]:
+    """Copy pages ``ids`` of ``pv`` (a page view) into ``out``, yielding bytes written so far.
 
-    On CPU every run of consecutive blocks is one ``memmove`` (split into
-    ``STEP_BYTES`` steps), so a caller can checksum each step while it is in cache.
+    Host pages are one ``memmove`` per page run (split into ``STEP_BYTES`` steps), so
+    a caller can checksum each step while it is in cache; others one ``index_select``.
     """
-    dim = block_dim(layout)
-    if _memmove_ok(cache, out, dim):
-        per = cache[0].numel() * cache.element_size()
-        step = max(1, STEP_BYTES // per)
-        base, dst = cache.data_ptr(), out.data_ptr()
-        reported = 0
-        for off, first, n in block_runs(ids):
-            for j in range(0, n, step):
-                k = min(step, n - j)
-                ctypes.memmove(dst + (off + j) * per, base + (first + j) * per, k * per)
-                if off + j + k - reported >= step:  # report about every STEP_BYTES
-                    reported = off + j + k
-                    yield reported * per
-        if reported < len(ids):
-            yield len(ids) * per
+    addr = _addressable(pv) if out.device.type == "cpu" and out.is_contiguous() else None
+    if addr is None:
+        idx = torch.tensor(list(ids), dtype=torch.long, device=pv.device)
+        if out.device == pv.device:
+            torch.index_select(bits(pv), 0, idx, out=bits(out))
+        else:  # e.g. a GPU cache packed into host memory
+            bits(out).copy_(torch.index_select(bits(pv), 0, idx))
+        yield out.numel() * out.element_size()
         return
-    idx = torch.tensor(list(ids), dtype=torch.long, device=cache.device)
-    if out.device == cache.device:
-        torch.index_select(_as_bytes(cache), dim, idx, out=_as_bytes(out))
-    else:  # e.g. a GPU cache packed into a host buffer
-        out.copy_(torch.index_select(cache, dim, idx))
-    yield out.numel() * out.element_size()
-
-
-def scatter_blocks(cache: torch.Tensor, layout: str, ids: Sequence[int], src: torch.Tensor) -> None:
-    """Write raw blocks ``src`` into blocks ``ids`` of ``cache`` (one memmove per run on CPU)."""
-    dim = block_dim(layout)
-    if _memmove_ok(cache, src, dim):
-        per = cache[0].numel() * cache.element_size()
-        base, s = cache.data_ptr(), src.data_ptr()
-        for off, first, n in block_runs(ids):
-            ctypes.memmove(base + first * per, s + off * per, n * per)
-        return
-    idx = torch.tensor(list(ids), dtype=torch.long, device=cache.device)
-    _as_bytes(cache).index_copy_(dim, idx, _as_bytes(src.to(cache.device)))
-
-
-def _layout_of(layer: torch.Tensor, layout: str | None) -> str:
-    found = layout or detect_kv_layout(layer)
-    block_dim(found)
-    return found
+    per, stride = addr
+    step = max(1, STEP_BYTES // per)
+    base, dst = pv.data_ptr(), out.data_ptr()
+    reported = 0
+    for off, first, n in (
+        block_runs(ids) if stride == per else [(i, b, 1) for i, b in enumerate(ids)]
+    ):
+        for j in range(0, n, step):
+            k = min(step, n - j)
+            ctypes.memmove(dst + (off + j) * per, base + (first + j) * stride, k * per)
+            if off + j + k - reported >= step:  # report about every STEP_BYTES
+                reported = off + j + k
+                yield reported * per
+    if reported < len(ids):
+        yield len(ids) * per
 
 
 def extract_request_blocks(
@@ -142,16 +127,16 @@ def extract_request_blocks(
     num_tokens: int,
     kv_caches: Sequence[torch.Tensor | None],
     *,
-    layout: str | None = None,
+    layout: LayoutArg = None,
     metadata: dict[str, Any] | None = None,
 ) -> KVCacheTransferData:
-    """A paged-blocks payload of the blocks holding ``num_tokens`` tokens (lazy: one copy at pack time)."""
+    """A paged-blocks payload of the blocks holding ``num_tokens`` tokens (lazy: one copy at
+    pack time). ``kv_caches`` are vLLM's per-layer 4-D views; ``layout`` their identity."""
     first = next((c for c in kv_caches if c is not None), None)
     if first is None:
         raise KVPayloadError(f"request {request_id}: no layer has a KV cache")
-    lay = _layout_of(first, layout)
-    dim = BLOCK_DIM[lay]
-    bs = int(first.shape[2])  # the block-size axis is dim 2 in every supported layout
+    ident = resolve_identity(first, layout)
+    bs = ident.block_size
     needed = -(-int(num_tokens) // bs)
     ids = [int(b) for b in block_ids][:needed]
     if needed <= 0 or len(ids) < needed:
@@ -159,47 +144,34 @@ def extract_request_blocks(
             f"request {request_id}: {num_tokens} tokens need {needed} blocks of {bs}, "
             f"got {len(block_ids)}"
         )
-    nblocks = int(first.shape[dim])
+    nblocks = int(first.shape[0]) // ident.ratio
     if min(ids) < 0 or max(ids) >= nblocks:
         raise KVPayloadError(f"request {request_id}: block id out of range [0, {nblocks})")
     layers: list[Any] = []
-    for cache in kv_caches:
+    for i, cache in enumerate(kv_caches):
         if cache is None:
             layers.append(None)
             continue
-        shape = list(cache.shape)
-        shape[dim] = needed
-        fill = functools.partial(iter_gather_blocks, cache, lay, ids)
-        layers.append(LazyTensor(tuple(shape), cache.dtype, fill, cache.device))
-    meta = PayloadMeta(PAGED_BLOCKS, int(num_tokens), bs, needed * bs, len(layers), lay)
+        check_view(cache, ident, f"layer {i}")
+        fill = functools.partial(iter_gather_pages, page_view(cache, ident), ids)
+        layers.append(LazyTensor((needed, *ident.page_shape), cache.dtype, fill, cache.device))
+    meta = PayloadMeta(PAGED_BLOCKS, int(num_tokens), bs, needed * bs, len(layers), ident)
     return KVCacheTransferData(
         request_id, {KV_BLOCKS: layers}, ids, meta.to_dict(**(metadata or {}))
     )
 
 
 def is_block_payload(data: dict[str, Any] | None) -> bool:
-    md = data.get("metadata") if isinstance(data, dict) else None
+    md = (data or {}).get("metadata") or {}
     return isinstance(md, dict) and md.get("format") == PAGED_BLOCKS
 
 
-def _block_layers(data: dict[str, Any]) -> tuple[PayloadMeta, list[Any]]:
+def _block_layers(data: dict[str, Any]) -> tuple[PayloadMeta, KVLayoutId, list[Any]]:
     meta = PayloadMeta.of(data)
     layers = (data.get("layer_blocks") or {}).get(KV_BLOCKS)
-    if meta.format != PAGED_BLOCKS or not isinstance(layers, list):
+    if meta.format != PAGED_BLOCKS or not isinstance(layers, list) or meta.kv_layout is None:
         raise KVPayloadError("not a paged-blocks payload (no kv_blocks list)")
-    assert meta.kv_layout is not None
-    block_dim(meta.kv_layout)
-    return meta, layers
-
-
-def _view_spans(view: torch.Tensor, dim: int, frame_address: int) -> list[Span]:
-    """Frame byte spans of ``view``, a slice along ``dim`` of a contiguous payload tensor."""
-    per = math.prod(view.shape[dim:]) * view.element_size()
-    spans = []
-    for index in itertools.product(*(range(n) for n in view.shape[:dim])):
-        start = view[index].data_ptr() - frame_address if index else view.data_ptr() - frame_address
-        spans.append((start, start + per))
-    return spans
+    return meta, meta.kv_layout, layers
 
 
 def merge_spans(spans: Sequence[Span]) -> list[Span]:
@@ -217,45 +189,51 @@ def merge_spans(spans: Sequence[Span]) -> list[Span]:
 
 @dataclass
 class _Copy:
-    src: torch.Tensor  # the payload blocks to write (a view of the frame)
-    cache: torch.Tensor
-    layout: str
-    ids: list[int]  # local block ids, one per payload block of ``src``
+    src: torch.Tensor  # the payload pages to write, ``[n, *page_shape]`` (a view of the frame)
+    cache: torch.Tensor  # the local layer (vLLM's 4-D view)
+    ids: list[int]  # local block ids, one per payload page of ``src``
 
 
 #: (frame end offset, dst address, src address, nbytes, dst view, fallback)
 _Task = tuple[int, int, int, int, memoryview | None, Callable[[], None] | None]
 
 
-def _byte_view(t: torch.Tensor) -> memoryview:
-    """A writable byte view of a contiguous CPU tensor's memory."""
-    return _as_bytes(t).view(torch.uint8).reshape(-1).numpy().data.cast("B")
+def _span(t: torch.Tensor, frame_address: int) -> Span:
+    start = t.data_ptr() - frame_address
+    return start, start + t.numel() * t.element_size()
+
+
+def _host_bytes(t: torch.Tensor) -> memoryview:
+    """A writable byte view of the memory of ``t`` (from its first to its last byte)."""
+    n = (t.shape[0] - 1) * t.stride(0) * t.element_size() + t[0].numel() * t.element_size()
+    buf = (ctypes.c_char * n).from_address(t.data_ptr())
+    return memoryview(buf).cast("B")
 
 
 class BlocksPlan:
-    """Where each payload block goes; built by :func:`plan_block_injection`."""
+    """Where each payload page goes; built by :func:`plan_block_injection`."""
 
-    def __init__(self, tokens: int, copies: list[_Copy]) -> None:
+    def __init__(self, tokens: int, copies: list[_Copy], src: KVLayoutId, dst: KVLayoutId) -> None:
         self.tokens = tokens
         self.copies = copies
+        self.src_layout, self.dst_layout = src, dst
+        self.raw = dst.same_pages(src)
 
     def spans(self, frame_address: int | None) -> list[Span] | None:
         """The frame bytes the plan reads (None: the whole frame, when not one local frame)."""
         if frame_address is None:
             return None
-        spans: list[Span] = []
-        for c in self.copies:
-            spans += _view_spans(c.src, block_dim(c.layout), frame_address)
-        return merge_spans(spans)
+        return merge_spans([_span(c.src, frame_address) for c in self.copies])
 
     def apply(
         self, stream: PayloadStream, deadline: float, cancel: threading.Event | None = None
     ) -> int:
-        """Write the planned blocks as their bytes arrive; return the payload's token count.
+        """Write the planned pages as their bytes arrive; return the payload's token count.
 
-        Host caches take one ``copy_into`` (each chunk verified in the cache right
-        after its copy); other caches are written layer by layer as bytes are final.
-        On any error the local blocks may hold part of the payload: do not use them.
+        Page copies into a host cache take one ``copy_into`` (each chunk verified in
+        the cache right after its copy); other layers are written (or converted) one
+        at a time once their bytes are final. On any error the local blocks may hold
+        part of the payload: do not use them.
         """
         base = stream.frame_address
         tasks = self._tasks(base)
@@ -277,39 +255,72 @@ class BlocksPlan:
                 i += 1
         if i < len(tasks):
             raise KVPayloadError(f"the stream ended with {len(tasks) - i} block copies not done")
+        device = self.copies[0].cache.device if self.copies else None
+        if device is not None and device.type == "cuda":
+            # the frame is released when the caller closes the stream: copies out of it
+            # must have completed by then
+            torch.cuda.current_stream(device).synchronize()
         return self.tokens
+
+    def write(self, c: _Copy) -> None:
+        """Write one layer's pages (after its bytes are final), converting when needed."""
+        if self.raw:
+            pv = page_view(c.cache, self.dst_layout)
+            idx = torch.tensor(c.ids, dtype=torch.long, device=pv.device)
+            bits(pv).index_copy_(0, idx, bits(c.src).to(pv.device, non_blocking=True))
+        else:
+            convert_pages(c.src, self.src_layout, c.cache, self.dst_layout, c.ids)
 
     def _tasks(self, frame_address: int | None) -> list[_Task]:
         """One task per copy, in frame order.
 
-        Runs of consecutive local blocks are merged up to ``STEP_BYTES`` so each copy
-        starts as soon as its bytes are final; layers that cannot be memmoved are one
-        ``scatter_blocks`` call once their last needed byte is final.
+        Runs of pages that are adjacent in a host cache are merged up to
+        ``STEP_BYTES`` so each copy starts as soon as its bytes are final; other
+        layers are one :meth:`write` once their last needed byte is final.
         """
         tasks: list[_Task] = []
         for c in self.copies:
-            dim = block_dim(c.layout)
-            if frame_address is None or not _memmove_ok(c.cache, c.src, dim):
-                end = 0
-                if frame_address is not None:
-                    end = max(b for _a, b in _view_spans(c.src, dim, frame_address))
-                call = functools.partial(scatter_blocks, c.cache, c.layout, c.ids, c.src)
-                tasks.append((end, 0, 0, 0, None, call))
+            pv = page_view(c.cache, self.dst_layout)
+            addr = _addressable(pv) if self.raw and c.src.device.type == "cpu" else None
+            if frame_address is None or addr is None:
+                end = 0 if frame_address is None else _span(c.src, frame_address)[1]
+                tasks.append((end, 0, 0, 0, None, functools.partial(self.write, c)))
                 continue
+            per, stride = addr
             start = c.src.data_ptr() - frame_address
-            per = c.cache[0].numel() * c.cache.element_size()
-            limit = max(1, STEP_BYTES // per)
-            base, s = c.cache.data_ptr(), c.src.data_ptr()
-            whole = _byte_view(c.cache)
-            for off, first, n in block_runs(c.ids):
+            limit = max(1, STEP_BYTES // per) if stride == per else 1
+            whole = _host_bytes(pv)
+            base, s = pv.data_ptr(), c.src.data_ptr()
+            runs = block_runs(c.ids) if stride == per else [(i, b, 1) for i, b in enumerate(c.ids)]
+            for off, first, n in runs:
                 for j in range(0, n, limit):
                     k = min(limit, n - j)
-                    at = (first + j) * per
+                    at = (first + j) * stride
                     view = whole[at : at + k * per]
                     end = start + (off + j + k) * per
                     tasks.append((end, base + at, s + (off + j) * per, k * per, view, None))
         tasks.sort(key=lambda t: t[0])
         return tasks
+
+
+def convert_pages(
+    src: torch.Tensor, src_id: KVLayoutId, cache: torch.Tensor, dst_id: KVLayoutId, ids: list[int]
+) -> None:
+    """Write pages ``src`` (of layout ``src_id``) into blocks ``ids`` of ``cache`` token by
+    token, on the cache's device (the identities must be convertible)."""
+    n = src.shape[0]
+    if n == 0:
+        return
+    logical = logical_from_pages(src.to(cache.device), src_id)
+    sk, sv = block_token_views(logical, src_id)
+    dk, dv = block_token_views(cache, dst_id)
+    shape = (n, dst_id.ratio, dst_id.kernel_block_size, *dk.shape[3:])
+    idx = torch.tensor(ids, dtype=torch.long, device=cache.device)
+    for s, d in ((sk, dk), (sv, dv)):
+        if s is None or d is None:
+            continue
+        tokens = bits(s).reshape(n, src_id.block_size, *s.shape[3:]).reshape(shape)
+        bits(d).index_copy_(0, idx, tokens)
 
 
 def plan_block_injection(
@@ -318,23 +329,31 @@ def plan_block_injection(
     block_ids: Sequence[int],
     *,
     first_block: int = 0,
-    layout: str | None = None,
+    layout: LayoutArg = None,
 ) -> BlocksPlan:
     """Check a paged-blocks payload against the local cache (header only, no bytes read).
 
     ``kv_caches`` are the local layers the payload (or part) covers; payload
     block ``j`` goes to local block ``block_ids[j]`` for ``j >= first_block`` (the
-    blocks before it are already held locally). Raises ``KVPayloadError`` when
-    the payload's layout, dtype or block shape differs from the local cache.
+    blocks before it are already held locally). Raises ``KVPayloadError`` when the
+    payload's layout identity cannot be written into the local cache losslessly.
     """
-    meta, layers = _block_layers(data)
-    lay = meta.kv_layout
-    assert lay is not None
+    meta, src_id, layers = _block_layers(data)
     if len(layers) != len(kv_caches):
         raise KVPayloadError(
             f"payload has {len(layers)} layers, the local model has {len(kv_caches)}"
         )
-    dim = BLOCK_DIM[lay]
+    first_cache = next((c for c in kv_caches if c is not None), None)
+    if first_cache is None:
+        return BlocksPlan(meta.num_tokens, [], src_id, src_id)
+    dst_id = resolve_identity(first_cache, layout)
+    why = dst_id.conversion_refusal(src_id)
+    if why is not None:
+        raise KVPayloadError(
+            f"the payload's KV ({src_id.describe()}) cannot be written into this cache "
+            f"({dst_id.describe()}): {why}; producer and consumer need the same model, "
+            "dtype, block size and TP"
+        )
     needed = meta.num_blocks
     ids = [int(b) for b in block_ids][:needed]
     if len(ids) < needed:
@@ -349,19 +368,16 @@ def plan_block_injection(
             continue
         if src is None:
             raise KVPayloadError(f"payload has no KV for layer {i}, which the local model needs")
-        local = _layout_of(cache, layout)
-        want = list(cache.shape)
-        want[dim] = needed
-        if local != lay or list(src.shape) != want or src.dtype != cache.dtype:
+        want = (needed, *src_id.page_shape)
+        if tuple(src.shape) != want or src.element_size() != src_id.element_size:
             raise KVPayloadError(
-                f"layer {i}: payload blocks {lay} {tuple(src.shape)} {src.dtype} do not fit the "
-                f"local cache {local} {tuple(want)} {cache.dtype} (same backend, dtype, block size "
-                "and TP?)"
+                f"layer {i}: payload pages {tuple(src.shape)} do not match its layout "
+                f"identity ({src_id.describe()}: {want})"
             )
+        check_view(cache, dst_id, f"local layer {i}")
         if first_block < needed:
-            view = src.narrow(dim, first_block, needed - first_block)
-            copies.append(_Copy(view, cache, lay, ids[first_block:]))
-    return BlocksPlan(meta.num_tokens, copies)
+            copies.append(_Copy(src[first_block:], cache, ids[first_block:]))
+    return BlocksPlan(meta.num_tokens, copies, src_id, dst_id)
 
 
 def inject_request_blocks(
@@ -370,34 +386,35 @@ def inject_request_blocks(
     block_ids: Sequence[int],
     *,
     first_block: int = 0,
-    layout: str | None = None,
+    layout: LayoutArg = None,
 ) -> int:
     """Write a complete paged-blocks payload into blocks ``block_ids``; return its token count."""
     plan = plan_block_injection(data, kv_caches, block_ids, first_block=first_block, layout=layout)
     for c in plan.copies:
-        scatter_blocks(c.cache, c.layout, c.ids, c.src)
+        plan.write(c)
     return plan.tokens
 
 
 def blocks_to_tokens(data: dict[str, Any]) -> dict[str, Any]:
     """Convert a paged-blocks payload to the token-major format (``[num_tokens, heads, dim]``)."""
-    meta, layers = _block_layers(data)
+    meta, ident, layers = _block_layers(data)
+    if ident.packing == "latent":
+        raise KVPayloadError(
+            "an MLA latent payload has no K/V to merge or slice across TP sizes: run "
+            "producer and consumer with the same TP size"
+        )
     n = meta.num_tokens
     keys: list[Any] = []
     values: list[Any] = []
-    for i, raw in enumerate(layers):
+    for raw in layers:
         if raw is None:
             keys.append(None)
             values.append(None)
             continue
-        kv = normalize_layer_kv(
-            raw, req_id=str(data.get("request_id")), layer_idx=i, layout=meta.kv_layout
-        )
-        if kv is None:
-            raise KVPayloadError(f"layer {i}: block payload does not match layout {meta.kv_layout}")
-        ids = list(range(int(kv[0].shape[0])))
-        keys.append(gather_request_kv(kv[0], ids, n))
-        values.append(gather_request_kv(kv[1], ids, n))
+        k, v = block_token_views(logical_from_pages(raw, ident), ident)
+        assert v is not None
+        for out, t in ((keys, k), (values, v)):
+            out.append(t.reshape(-1, *t.shape[3:])[:n].contiguous())
     md = {k: v for k, v in data["metadata"].items() if k != "kv_layout"}
     tokens = PayloadMeta(TOKEN_MAJOR, n, meta.block_size, n, meta.num_layers)
     return {

@@ -33,7 +33,10 @@ def _lazy_gather(blocks: torch.Tensor, block_ids: torch.Tensor, seq_len: int) ->
     shape = request_kv_shape(blocks, seq_len)
 
     def fill(dst: torch.Tensor) -> None:
-        gather_request_kv(blocks, block_ids, seq_len, out=dst)
+        if dst.device == blocks.device:
+            gather_request_kv(blocks, block_ids, seq_len, out=dst)
+        else:  # a GPU cache into host memory: gather on the device, then one copy
+            dst.copy_(gather_request_kv(blocks, block_ids.to(blocks.device), seq_len))
 
     return LazyTensor(shape, blocks.dtype, fill, blocks.device)
 
