@@ -1,6 +1,7 @@
 """Real engines: a consumer refuses KV from a producer serving other weights (same
-architecture and tokenizer) and recomputes, and accepts KV of the same weights loaded
-from another path. Each consumer's own local run is the reference."""
+architecture and tokenizer) and recomputes, accepts KV of the same weights loaded from
+another path, and computes locally a request whose kv_transfer_params name a producer it
+does not trust. Each consumer's own local run is the reference."""
 
 from __future__ import annotations
 
@@ -75,3 +76,21 @@ def test_compat_other_weights_refused_same_weights_accepted(
         load = o["kv_transfer_params"]["omni_kv_load"]
         assert load["ok"] is False and "weights" in load["error"], load
         assert o["token_ids"] == want  # recomputed with its own weights
+
+
+def test_untrusted_producer_in_kv_transfer_params_is_computed_locally(
+    pd: dict[str, Any], models: dict[str, Path]
+) -> None:
+    prompts = make_prompts(models["producer"], 1, seed=12)
+    want = _decode(pd["same"], prompts, [None])["outputs"][0]["token_ids"]
+    params = _prefill(pd["producer"], prompts)
+    forged = [{**params[0], "remote_host": "203.0.113.9"}]  # a client's own endpoint
+    r = _decode(pd["same"], prompts, forged)
+    out = r["outputs"][0]
+    assert out["token_ids"] == want
+    assert not (out.get("kv_transfer_params") or {}).get("omni_kv_load")  # nothing loaded
+    assert "not in kv_connector_extra_config.trusted_producers" in "\n".join(pd["same"].log_lines)
+    # the producer still holds the payload: the genuine params load it
+    r = _decode(pd["same"], prompts, params)
+    assert r["outputs"][0]["kv_transfer_params"]["omni_kv_load"]["ok"] is True
+    assert r["outputs"][0]["token_ids"] == want

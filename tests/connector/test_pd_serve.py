@@ -200,6 +200,25 @@ def test_consumer_logs_connector_stats(servers: Servers) -> None:
     pytest.fail("the consumer never logged KV Transfer metrics with bytes_received > 0")
 
 
+def test_consumer_exports_prometheus_metrics(servers: Servers) -> None:
+    """build_prom_metrics: the consumer's /metrics carries our loads, bytes and latency."""
+    deadline = time.monotonic() + 15
+    want = re.compile(r"^vllm:omnikv_loads_total\{[^}]*\} ([0-9.e+]+)$", re.M)
+    text = ""
+    while time.monotonic() < deadline:
+        text = requests.get(servers.decode + "/metrics", timeout=10).text
+        m = want.search(text)
+        if m and float(m.group(1)) > 0:
+            assert re.search(r"^vllm:omnikv_received_bytes_total\{[^}]*\} [1-9]", text, re.M)
+            assert re.search(r"^vllm:omnikv_load_seconds_count\{[^}]*\} [1-9]", text, re.M)
+            assert "vllm:omnikv_load_failures_total{" in text  # by reason, zero so far
+            ours = [ln for ln in text.splitlines() if "omnikv" in ln]
+            (LOG_DIR / "consumer-metrics.txt").write_text("\n".join(ours) + "\n")
+            return
+        time.sleep(0.5)
+    pytest.fail(f"no vllm:omnikv_loads_total > 0 on the consumer's /metrics: {text[-2000:]}")
+
+
 def test_proxy_health(servers: Servers) -> None:
     r = requests.get(servers.proxy + "/health", timeout=10)
     assert r.status_code == 200 and r.json()["healthy"] is True

@@ -22,7 +22,7 @@ def test_stats_aggregate_and_reduce() -> None:
     a.record_send(1_000_000_000, 0.5, ok=True)
     a.record_recv(2_000_000_000, 1.0, tokens=300, ok=True)
     b = OmniKVConnectorStats()
-    b.record_recv(0, 0.0, tokens=0, ok=False, timed_out=True)
+    b.record_recv(0, 0.0, tokens=0, ok=False, reason="timeout")
     b.record_send(0, 0.0, ok=False)
     merged = a.aggregate(b)
     r = merged.reduce()

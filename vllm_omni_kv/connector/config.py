@@ -28,6 +28,10 @@ first request. Accepted fields::
                          "paged_blocks" (alias: "raw_blocks") or "token_major"
     max_part_bytes       payloads above this travel as layer-wise parts (0: never; default:
                          one frame over shared memory, 8 MiB parts over other backends)
+    trusted_producers    producer endpoints a consumer pulls from: a list of "host:port" or
+                         "host" (any port), or "*" (any). Default: this host's loopback
+                         addresses and remote_host. A request whose kv_transfer_params name
+                         another endpoint is computed locally (logged)
     kv_cache_layout      a vLLM KVCacheLayout name (LBHNC, LBNHC, ..., or NHD / HND) the
                          connector asks vLLM for (get_required_kvcache_layout); default:
                          none, the attention backend's choice (LBNHC on CUDA, LBHNC on
@@ -40,6 +44,7 @@ first request. Accepted fields::
 
 from __future__ import annotations
 
+import ipaddress
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -71,6 +76,7 @@ KNOWN_FIELDS: frozenset[str] = frozenset(
         "transfer_format",
         "transfer_cpus",
         "kv_cache_layout",
+        "trusted_producers",
     }
 )
 TRANSFER_FORMATS = ("auto", "paged_blocks", "token_major")
@@ -78,6 +84,57 @@ TRANSFER_FORMATS = ("auto", "paged_blocks", "token_major")
 FORMAT_ALIASES = {"raw_blocks": "paged_blocks"}
 
 _WHERE = "kv_connector_extra_config"
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class TrustedProducers:
+    """Endpoints a consumer may pull KV from: loopback always, plus ``entries``
+    (``(host, port)``; port None: any), or anything when ``any``."""
+
+    entries: tuple[tuple[str, int | None], ...]
+    any: bool = False
+
+    def allows(self, host: str | None, port: int | None) -> bool:
+        if self.any or not host or _is_loopback(host):
+            return True
+        return any(h == host and (p is None or p == port) for h, p in self.entries)
+
+    @classmethod
+    def parse(cls, raw: Any) -> TrustedProducers:
+        if raw is None:
+            return cls(())
+        if raw == "*":
+            return cls((), any=True)
+        if not isinstance(raw, list) or not all(isinstance(x, str) and x for x in raw):
+            raise ConfigError(
+                f"{_WHERE}.trusted_producers must be a list of 'host:port' / 'host' strings "
+                f"or '*', got {raw!r}"
+            )
+        entries: list[tuple[str, int | None]] = []
+        for item in raw:
+            if item.startswith("["):  # [v6] or [v6]:port
+                host, _, rest = item[1:].partition("]")
+                port = rest.removeprefix(":") or None
+            elif item.count(":") == 1:
+                host, port = item.split(":")
+            else:  # a host name, an IPv4 address or a bare IPv6 address
+                host, port = item, None
+            try:
+                entries.append((host, None if port is None else int(port)))
+            except ValueError:
+                raise ConfigError(
+                    f"{_WHERE}.trusted_producers: {item!r} is not 'host:port' or 'host'"
+                ) from None
+        return cls(tuple(entries))
 
 
 @dataclass(frozen=True)
@@ -100,6 +157,13 @@ class OmniKVConfig:
     transfer_format: str = "auto"
     transfer_cpus: str = "auto"
     kv_cache_layout: str | None = None
+    trusted_producers: TrustedProducers = field(default_factory=lambda: TrustedProducers(()))
+
+    def __post_init__(self) -> None:
+        tp = self.trusted_producers
+        if not tp.any and self.remote_host and not tp.allows(self.remote_host, None):
+            trusted = TrustedProducers((*tp.entries, (self.remote_host, None)))
+            object.__setattr__(self, "trusted_producers", trusted)
 
     @property
     def backend_name(self) -> str:
@@ -254,6 +318,7 @@ def parse_omni_kv_config(raw: Mapping[str, Any] | None) -> OmniKVConfig:
     return OmniKVConfig(
         backend=spec,
         kv_cache_layout=layout,
+        trusted_producers=TrustedProducers.parse(raw.get("trusted_producers")),
         transfer_format=str(fmt),
         transfer_cpus=cpus,
         from_stage=from_stage,

@@ -34,7 +34,12 @@ from vllm_omni_kv.connector.worker import OmniKVWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -139,6 +144,23 @@ class OmniKVConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        from vllm_omni_kv.connector.prom import OmniKVPromMetrics
+
+        return OmniKVPromMetrics(
+            vllm_config,
+            metric_types,  # type: ignore[arg-type]
+            labelnames,
+            per_engine_labelvalues,
+        )
 
     @classmethod
     def build_kv_connector_stats(

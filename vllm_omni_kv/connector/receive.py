@@ -177,56 +177,45 @@ def receive(
     """Load tokens ``[num_local_tokens, num_prompt_tokens)`` of ``spec``; every payload
     must carry ``compat`` (this engine's compatibility identity) when it is given."""
     with device_writes(layers[0].cache.device if layers else None):
-        return _receive(session, layers, spec, keys, topo, deadline, cancel, compat)
+        caches: list[Any] = [x.cache for x in layers]
+        write = [0.0]
+        ident = layers[0].ident if layers else None
+        block_size = ident.block_size if ident else 0
+        start = spec.num_local_tokens
+        if len(keys) == 1 and not topo.is_heterogeneous:
+            key, endpoint = keys[0]
 
+            def plan(part: dict[str, Any], layer_start: int) -> InjectionPlan:
+                check_payload(part, spec, block_size, compat)
+                blocks = is_block_payload(part)
+                local = (caches if blocks else token_caches(layers))[
+                    layer_start : layer_start + part_layer_count(part)
+                ]
+                lay = ident if blocks else None
+                injection = plan_injection(
+                    part, local, spec.block_ids, start_token=start, layout=lay
+                )
+                return _Timed(injection, write)
 
-def _receive(
-    session: TransferSession,
-    layers: Sequence[LayerCache],
-    spec: LoadSpec,
-    keys: Sequence[tuple[str, dict[str, Any] | None]],
-    topo: KVTPTopology,
-    deadline: float,
-    cancel: threading.Event,
-    compat: CompatIdentity | None,
-) -> Received:
-    caches: list[Any] = [x.cache for x in layers]
-    write = [0.0]
-    ident = layers[0].ident if layers else None
-    block_size = ident.block_size if ident else 0
-    start = spec.num_local_tokens
-    if len(keys) == 1 and not topo.is_heterogeneous:
-        key, endpoint = keys[0]
-
-        def plan(part: dict[str, Any], layer_start: int) -> InjectionPlan:
-            check_payload(part, spec, block_size, compat)
-            blocks = is_block_payload(part)
-            local = (caches if blocks else token_caches(layers))[
-                layer_start : layer_start + part_layer_count(part)
-            ]
-            lay = ident if blocks else None
-            injection = plan_injection(part, local, spec.block_ids, start_token=start, layout=lay)
-            return _Timed(injection, write)
-
-        _n, moved = session.receive_into(key, endpoint, deadline, plan, cancel)
-        return Received(spec.num_load_tokens, moved, write[0])
-    payloads, moved = [], 0
-    for key, endpoint in keys:
-        obj, n = session.fetch(key, endpoint, deadline, cancel)
-        check_payload(obj, spec, block_size, compat)
-        payloads.append(blocks_to_tokens(obj) if is_block_payload(obj) else obj)
-        moved += n
-    merged = merge_received_rank_shards(payloads)
-    if merged is not None and topo.target_tp_size > topo.source_tp_size:
-        merged = slice_received_rank_shard(merged, topo)
-    if merged is None:
-        raise KVPayloadError("no payload after merging rank shards")
-    t0 = time.perf_counter()
-    inject_request_kv(
-        merged,
-        token_caches(layers),
-        spec.block_ids,
-        start_token=start,
-        num_tokens=spec.num_prompt_tokens,
-    )
-    return Received(spec.num_load_tokens, moved, time.perf_counter() - t0)
+            _n, moved = session.receive_into(key, endpoint, deadline, plan, cancel)
+            return Received(spec.num_load_tokens, moved, write[0])
+        payloads, moved = [], 0
+        for key, endpoint in keys:
+            obj, n = session.fetch(key, endpoint, deadline, cancel)
+            check_payload(obj, spec, block_size, compat)
+            payloads.append(blocks_to_tokens(obj) if is_block_payload(obj) else obj)
+            moved += n
+        merged = merge_received_rank_shards(payloads)
+        if merged is not None and topo.target_tp_size > topo.source_tp_size:
+            merged = slice_received_rank_shard(merged, topo)
+        if merged is None:
+            raise KVPayloadError("no payload after merging rank shards")
+        t0 = time.perf_counter()
+        inject_request_kv(
+            merged,
+            token_caches(layers),
+            spec.block_ids,
+            start_token=start,
+            num_tokens=spec.num_prompt_tokens,
+        )
+        return Received(spec.num_load_tokens, moved, time.perf_counter() - t0)

@@ -89,6 +89,7 @@ class OmniKVScheduler:
         return params
 
     def _has_remote_fields(self, request: Request, params: dict[str, Any]) -> bool:
+        """True when ``params`` name a payload this consumer may load (logs why not)."""
         missing = [f for f in REQUIRED_REMOTE_FIELDS if not params.get(f)]
         if missing:
             logger.warning(
@@ -96,6 +97,16 @@ class OmniKVScheduler:
                 "computed locally. Pass the kv_transfer_params the producer returned unchanged.",
                 request.request_id,
                 missing,
+            )
+            return False
+        host, port = params.get("remote_host"), _int_or_none(params.get("remote_port"))
+        if not self.cfg.trusted_producers.allows(host if isinstance(host, str) else None, port):
+            logger.warning(
+                "request %s: kv_transfer_params name producer %s:%s, which is not in "
+                "kv_connector_extra_config.trusted_producers; its prompt is computed locally",
+                request.request_id,
+                host,
+                port,
             )
             return False
         return True

@@ -23,16 +23,29 @@ COUNTERS: tuple[str, ...] = (
     "tokens_received",
     "num_recv_failures",
     "num_recv_timeouts",
+    "num_recv_cancelled",
+    "num_recv_refused",
 )
+#: per-load samples of one interval (for histograms), at most MAX_SAMPLES each
+SAMPLES: tuple[str, ...] = ("load_seconds", "load_bytes")
+MAX_SAMPLES = 4096
+#: current values: the largest over the workers and steps aggregated (each TP rank holds
+#: one part of each request's payload)
+GAUGES: tuple[str, ...] = ("payloads_held",)
+#: why a load failed: ``num_recv_failures`` counts them all
+FAILURE_REASONS = ("timeout", "cancelled", "refused", "transport")
 
 
 def _zero() -> dict[str, Any]:
-    return {k: 0 for k in COUNTERS}
+    d: dict[str, Any] = {k: 0 for k in COUNTERS + GAUGES}
+    d.update({k: [] for k in SAMPLES})
+    return d
 
 
 @dataclass
 class OmniKVConnectorStats(KVConnectorStats):
-    """Bytes, transfers, seconds and failures, per direction."""
+    """Bytes, transfers, seconds and failures (by reason) per direction, per-load samples,
+    and the payloads a producer holds."""
 
     data: dict[str, Any] = field(default_factory=dict)
 
@@ -40,7 +53,7 @@ class OmniKVConnectorStats(KVConnectorStats):
         base = _zero()
         for k, v in (self.data or {}).items():
             if k in base:
-                base[k] = v
+                base[k] = list(v) if k in SAMPLES else v
         self.data = base
 
     def record_send(self, nbytes: int, seconds: float, ok: bool) -> None:
@@ -52,31 +65,50 @@ class OmniKVConnectorStats(KVConnectorStats):
             self.data["num_send_failures"] += 1
 
     def record_recv(
-        self, nbytes: int, seconds: float, tokens: int, ok: bool, timed_out: bool = False
+        self, nbytes: int, seconds: float, tokens: int, ok: bool, reason: str = "transport"
     ) -> None:
+        """One finished load; ``reason`` (one of :data:`FAILURE_REASONS`) when it failed."""
         if ok:
             self.data["num_recvs"] += 1
             self.data["bytes_received"] += int(nbytes)
             self.data["recv_seconds"] += float(seconds)
             self.data["tokens_received"] += int(tokens)
-        else:
-            self.data["num_recv_failures"] += 1
-            if timed_out:
-                self.data["num_recv_timeouts"] += 1
+            if len(self.data["load_seconds"]) < MAX_SAMPLES:
+                self.data["load_seconds"].append(round(float(seconds), 6))
+                self.data["load_bytes"].append(int(nbytes))
+            return
+        self.data["num_recv_failures"] += 1
+        key = {"timeout": "num_recv_timeouts", "cancelled": "num_recv_cancelled"}.get(reason)
+        if reason == "refused":
+            key = "num_recv_refused"
+        if key is not None:
+            self.data[key] += 1
+
+    def set_held(self, payloads: int) -> None:
+        self.data["payloads_held"] = int(payloads)
 
     def reset(self) -> None:
+        held = self.data.get("payloads_held", 0)
         self.data = _zero()
+        self.data["payloads_held"] = held
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         if not isinstance(other, OmniKVConnectorStats):
             return self
         for k in COUNTERS:
             self.data[k] = self.data.get(k, 0) + other.data.get(k, 0)
+        for k in GAUGES:
+            self.data[k] = max(self.data.get(k, 0), other.data.get(k, 0))
+        for k in SAMPLES:
+            room = MAX_SAMPLES - len(self.data[k])
+            self.data[k] = list(self.data[k]) + list(other.data.get(k, []))[: max(0, room)]
         return self
 
     def reduce(self) -> dict[str, int | float]:
         d = self.data
-        out: dict[str, int | float] = {k: d[k] for k in COUNTERS if not k.endswith("seconds")}
+        out: dict[str, int | float] = {
+            k: d[k] for k in COUNTERS + GAUGES if not k.endswith("seconds")
+        }
         out["send_seconds"] = round(float(d["send_seconds"]), 6)
         out["recv_seconds"] = round(float(d["recv_seconds"]), 6)
         out["send_GBps"] = (
@@ -90,12 +122,13 @@ class OmniKVConnectorStats(KVConnectorStats):
         return out
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(k) for k in COUNTERS)
+        return not any(self.data.get(k) for k in COUNTERS + GAUGES)
 
     def take(self) -> OmniKVConnectorStats | None:
-        """A copy of the counters (None when empty), and reset: one interval's worth."""
+        """A copy of one interval's counters and samples (None when empty), then reset
+        (the held-payload gauge carries over)."""
         if self.is_empty():
             return None
-        snapshot = OmniKVConnectorStats(data=dict(self.data))
+        snapshot = OmniKVConnectorStats(data={k: v for k, v in self.data.items()})
         self.reset()
         return snapshot

@@ -47,6 +47,7 @@ from vllm_omni_kv.connector.receive import LayerCache, layer_caches, receive, to
 from vllm_omni_kv.connector.stats import OmniKVConnectorStats
 from vllm_omni_kv.errors import (
     ConfigError,
+    KVPayloadError,
     KVTransferCancelled,
     KVTransferTimeout,
     OmniKVError,
@@ -65,6 +66,8 @@ logger = init_logger(__name__)
 
 #: longest wait for loads to land on an engine step that has nothing else to do
 IDLE_WAIT_S = 0.1
+#: how often the payloads-held gauge asks the backend
+HELD_EVERY_S = 1.0
 
 
 @dataclass
@@ -78,6 +81,7 @@ class _Outcome:
     write_seconds: float = 0.0  # verifying and writing the bytes into the cache
     error: str = ""
     timed_out: bool = False
+    refused: bool = False
     cancelled: bool = False
 
 
@@ -138,6 +142,7 @@ class OmniKVWorker:
         self._worker_meta: dict[str, dict[str, Any]] = {}
         self._sent_keys: deque[tuple[float, str]] = deque()
         self._closed = False
+        self._held_checked = 0.0
 
     # -- setup ---------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -319,6 +324,9 @@ class OmniKVWorker:
         except KVTransferTimeout as e:
             why = f"{e} (within recv_timeout={self.cfg.recv_timeout:g}s)"
             return self._failed(spec, why, time.monotonic() - t0, timed_out=True)
+        except KVPayloadError as e:  # the payload was refused (prompt, model, layout, bytes)
+            why = f"{type(e).__name__}: {e}"
+            return self._failed(spec, why, time.monotonic() - t0, refused=True)
         except OmniKVError as e:
             return self._failed(spec, f"{type(e).__name__}: {e}", time.monotonic() - t0)
         except Exception as e:
@@ -385,7 +393,10 @@ class OmniKVWorker:
         return sending, recving
 
     def _report(self, out: _Outcome) -> None:
-        self.stats.record_recv(out.nbytes, out.seconds, out.tokens, out.ok, out.timed_out)
+        reason = "timeout" if out.timed_out else "cancelled" if out.cancelled else "transport"
+        self.stats.record_recv(
+            out.nbytes, out.seconds, out.tokens, out.ok, "refused" if out.refused else reason
+        )
         self._worker_meta[out.req_id] = {
             "ok": out.ok,
             "tokens": out.tokens,
@@ -431,6 +442,14 @@ class OmniKVWorker:
         return OmniKVWorkerMetadata(loads=out)
 
     def take_stats(self) -> OmniKVConnectorStats | None:
+        now = time.monotonic()
+        if now >= self._held_checked + HELD_EVERY_S:  # the backend's count, once a second
+            self._held_checked = now
+            try:
+                health = self.session.backend.health()
+                self.stats.set_held(int(health.get("unconsumed", health.get("exposed_keys", 0))))
+            except Exception as e:
+                logger.debug("backend health for the held-payload gauge: %s", e)
         return self.stats.take()
 
     def shutdown(self) -> None:

@@ -24,14 +24,10 @@ from typing import Any
 
 import torch
 
-ORDERS: dict[str, tuple[int, ...]] = {
-    "LBHNC": (0, 1, 2, 3, 4),
-    "LBNHC": (0, 1, 3, 2, 4),
-    "LHBNC": (0, 2, 1, 3, 4),
-    "BLHNC": (1, 0, 2, 3, 4),
-    "BLNHC": (1, 0, 3, 2, 4),
-    "BHLNC": (1, 2, 0, 3, 4),
-}
+from vllm_omni_kv.kvcache.cache_layout import LAYOUT_ORDERS
+
+#: vLLM's KVCacheLayout members (checked against vLLM's enum in the tests)
+ORDERS = LAYOUT_ORDERS
 #: torch storage dtype of vLLM's cache for each KV dtype (fp8 caches are uint8 bytes)
 STORAGE = {"bfloat16": torch.bfloat16, "float16": torch.float16, "fp8_e4m3": torch.uint8}
 #: what each emulated backend stores per cache entry

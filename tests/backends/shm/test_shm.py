@@ -9,6 +9,7 @@ import signal
 import stat
 import time
 
+import msgpack
 import pytest
 import torch
 
@@ -253,3 +254,68 @@ def test_many_concurrent_keys_across_processes(ns):
             p.join(30)
     assert sorted(r[0] for r in results) == ["ok"] * 4
     assert sorted(r[3]["seq_len"] for r in results) == [100, 101, 102, 103]
+
+
+def _dead_pid() -> int:
+    proc = CTX.Process(target=time.sleep, args=(0,))
+    proc.start()
+    proc.join(30)
+    return proc.pid
+
+
+def test_segment_of_another_user_is_refused(ns):
+    with SharedMemoryConnector({"namespace": ns}) as conn:
+        conn.put("0", "1", "k", _payload())
+        seg = _ours(os.getpid(), ns)
+        seg = [n for n in seg if n.startswith(shm_arena.SEG_PREFIX)][0]
+        os.chown(f"/dev/shm/{seg}", 4242, -1)  # as if another user had planted it
+        try:
+            with pytest.raises(KVTransferError, match="belongs to uid 4242"):
+                conn.get("0", "1", "k")
+        finally:
+            os.chown(f"/dev/shm/{seg}", os.getuid(), -1)
+
+
+def test_index_naming_a_path_is_refused():
+    from vllm_omni_kv.backends.shm.reader import parse_ref
+
+    entry = b"R" + msgpack.packb(
+        {
+            "seg": shm_arena.SEG_PREFIX + "1/../../etc/passwd",
+            "gen": 1,
+            "size": 1,
+            "pooled": True,
+            "pid": 1,
+        }
+    )
+    with pytest.raises(KVPayloadError, match="outside the arena"):
+        parse_ref(entry)
+
+
+def test_sweep_skips_what_it_must_not_or_cannot_remove(ns, monkeypatch, caplog):
+    pid = _dead_pid()
+    theirs = f"{shm_arena.SEG_PREFIX}{pid}_{ns}_theirs"
+    stuck = f"{shm_arena.SEG_PREFIX}{pid}_{ns}_stuck"
+    gone = f"{shm_arena.SEG_PREFIX}{pid}_{ns}_gone"
+    for name in (theirs, stuck, gone):
+        open(f"/dev/shm/{name}", "wb").close()
+    os.chown(f"/dev/shm/{theirs}", 4242, -1)
+    real_unlink = os.unlink
+
+    def unlink(p, *a, **kw):
+        if str(p).endswith(stuck):
+            raise PermissionError(1, "Operation not permitted", str(p))
+        return real_unlink(p, *a, **kw)
+
+    monkeypatch.setattr(os, "unlink", unlink)
+    try:
+        with caplog.at_level("WARNING"):
+            removed = shm_arena.sweep_orphans()
+        assert gone in removed and theirs not in removed and stuck not in removed
+        assert os.path.exists(f"/dev/shm/{theirs}")
+        assert "left orphaned shared-memory file" in caplog.text
+    finally:
+        monkeypatch.undo()
+        for name in (theirs, stuck, gone):
+            if os.path.exists(f"/dev/shm/{name}"):
+                os.unlink(f"/dev/shm/{name}")

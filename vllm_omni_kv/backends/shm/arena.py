@@ -40,7 +40,10 @@ from dataclasses import dataclass
 import msgpack
 import numpy as np
 
+from vllm_omni_kv.logger import init_logger
 from vllm_omni_kv.wire import codec
+
+logger = init_logger(__name__)
 
 SHM_DIR = "/dev/shm"
 PREFIX = "omnikv_"
@@ -368,11 +371,20 @@ def sweep_orphans() -> list[str]:
         names = os.listdir(SHM_DIR)
     except FileNotFoundError:
         return removed
+    uid = os.getuid()
     for name in names:
         if not name.startswith(PREFIX):
             continue
         pid = _owner_pid(name)
-        if pid is not None and pid != os.getpid() and not pid_alive(pid):
+        if pid is None or pid == os.getpid() or pid_alive(pid):
+            continue
+        try:
+            if os.stat(path(name)).st_uid != uid:
+                continue  # another user's file: not ours to judge or remove
             if unlink_quiet(name):
                 removed.append(name)
+        except FileNotFoundError:
+            continue
+        except OSError as e:  # never fail an engine start over a file we cannot remove
+            logger.warning("left orphaned shared-memory file %s in place: %s", path(name), e)
     return removed

@@ -46,9 +46,15 @@ class ConsumerMaps:
             if mm is not None:
                 self._maps.move_to_end(name)
                 return mm
-        fd = os.open(arena.path(name), os.O_RDWR)
+        fd = os.open(arena.path(name), os.O_RDWR | os.O_NOFOLLOW)
         try:
-            mm = mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED | arena.POPULATE)
+            st = os.fstat(fd)
+            if st.st_uid != os.getuid():
+                raise KVTransferError(
+                    f"segment {name} belongs to uid {st.st_uid}, not to this process's uid "
+                    f"{os.getuid()}: producer and consumer must run as the same user"
+                )
+            mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED | arena.POPULATE)
         finally:
             os.close(fd)
         with self._lock:
@@ -104,7 +110,12 @@ def parse_ref(entry: bytes) -> Ref | None:
         ref = Ref(r["seg"], r["gen"], r["size"], r["pooled"], r["pid"], tag == b"S")
     except Exception as e:
         raise KVPayloadError(f"corrupt shared-memory index entry: {e}") from None
-    if not (isinstance(ref.seg, str) and ref.seg.startswith(arena.SEG_PREFIX)):
+    if not (
+        isinstance(ref.seg, str)
+        and ref.seg.startswith(arena.SEG_PREFIX)
+        and "/" not in ref.seg
+        and "\0" not in ref.seg
+    ):
         raise KVPayloadError(f"shared-memory index points outside the arena: {ref.seg!r}")
     return ref
 
