@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -93,8 +94,13 @@ def engines(*cfgs: tuple[str, dict[str, Any]]) -> Iterator[list[EngineProc]]:
         assert not left, f"engines left shared-memory files behind after shutdown: {sorted(left)}"
 
 
-def sweep_dead_segments() -> None:
-    """Unlink shared-memory files left by engines this test killed."""
+def sweep_dead_segments(wait_s: float = 0.0) -> None:
+    """Unlink shared-memory files left by engines this test killed. ``wait_s``: first wait
+    (up to that long) for the owners of this run's segments to exit (a killed engine's
+    worker processes may outlive its main process for a moment)."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and any(live_arena_segment(n) for n in omnikv_files()):
+        time.sleep(0.1)
     with contextlib.suppress(Exception):
         from vllm_omni_kv.backends.shm import arena as shm_arena
 

@@ -191,4 +191,4 @@ def test_killed_producer_never_hangs_nor_changes_tokens(
     # and with no payload at all (what a producer killed before sending leaves):
     gone = [dict(p, remote_request_id=p["remote_request_id"] + "-never-sent") for p in params]
     pd.decode(prompts, gone)
-    sweep_dead_segments()
+    sweep_dead_segments(wait_s=30)

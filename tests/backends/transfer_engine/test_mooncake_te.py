@@ -403,9 +403,10 @@ def test_exposure_table_holder_replaces_its_own_lease() -> None:
     assert t.acquire("k", 30, holder="b") == {"ok": False, "reason": "exhausted"}
     second = t.acquire("k", 30, holder="a")  # "a" gave up on its first attempt
     assert second["ok"] and second["lease"] != first["lease"]
-    assert t.release(first["token"], first["lease"], success=True)["ok"] is False
+    assert "token" not in first  # acquire never discloses the block's token
+    assert t.release("", first["lease"], success=True)["ok"] is False
     assert t.counts()["active_leases"] == 1
-    assert t.release(second["token"], second["lease"], success=True) == {"ok": True}
+    assert t.release("", second["lease"], success=True) == {"ok": True}
     assert t.counts()["exposed_blocks"] == 0  # the one allowed pull is done: freed
     assert pool.allocator.used == 0
 
@@ -521,3 +522,79 @@ def test_missing_mooncake_names_the_package(
     monkeypatch.setitem(sys.modules, module, None)  # makes ``import module`` fail
     with pytest.raises(BackendUnavailable, match="pip install mooncake-transfer-engine-non-cuda"):
         OmniConnectorFactory.create_connector(ConnectorSpec(factory_name, te_config("dual")))
+
+
+# -- a hostile side-channel client ------------------------------------------------------------
+
+
+def _raw_request(endpoint: str, payload: bytes, timeout_ms: int = 1000) -> bytes | None:
+    """One request from a bare REQ socket (what any client on the network can send)."""
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
+    try:
+        sock.connect(endpoint)
+        sock.send(payload)
+        try:
+            return bytes(sock.recv())
+        except zmq.Again:
+            return None
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+def test_side_channel_survives_malformed_oversized_and_flooding_clients() -> None:
+    import msgpack
+
+    from vllm_omni_kv.backends.transfer_engine.side_channel import MAX_MESSAGE
+
+    server = SideChannelServer("127.0.0.1", 0, lambda m: {"ok": True}, max_rate=50)
+    client = SideChannelClient(timeout_s=1.0)
+    try:
+        for junk, why in ((b"\xc1\xc1", "not valid msgpack"), (msgpack.packb([1, 2]), "a map")):
+            reply = msgpack.unpackb(_raw_request(server.endpoint, junk) or b"\x80")
+            assert reply["ok"] is False and why in reply["error"]
+        # over MAX_MESSAGE: ZeroMQ drops the connection, the server does not answer it
+        assert _raw_request(server.endpoint, b"\x00" * (MAX_MESSAGE + 1), 500) is None
+        replies = [client.request(server.endpoint, {"op": "ping"}) for _ in range(200)]
+        busy = sum(r.get("reason") == "busy" for r in replies)
+        assert 50 <= busy <= 150  # beyond ~50 requests at once: busy, not queued
+        # ending a pull is answered even now
+        assert client.request(server.endpoint, {"op": "release"}) == {"ok": True}
+        time.sleep(0.2)
+        assert client.request(server.endpoint, {"op": "ping"}) == {"ok": True}
+    finally:
+        client.close()
+        server.close()
+
+
+@pytest.mark.mooncake
+def test_hostile_leases_are_bounded_and_releases_need_the_lease(receivers: list[Any]) -> None:
+    from vllm_omni_kv.backends.keys import edge_key
+
+    s = _conn("sender", max_pulls=1, buffer_ttl_s=1.5, lease_slack_s=0.1)
+    client = SideChannelClient(timeout_s=2.0)
+    endpoint = f"tcp://{s.host}:{s.zmq_port}"
+    try:
+        t = torch.arange(4096, dtype=torch.int32)
+        _ok, _size, meta = s.put("0", "1", "k", t)
+        md = {"source_host": meta["source_host"], "source_port": meta["source_port"]}
+        key = edge_key("k", "0", "1")
+        for bad in (float("inf"), float("nan"), -1, "forever"):
+            reply = client.request(endpoint, {"op": "acquire", "key": key, "lease_s": bad})
+            assert reply["ok"] is False and "lease_s" in reply["error"]
+        grab = client.request(endpoint, {"op": "acquire", "key": key, "lease_s": 1e9})
+        assert grab["ok"] and "token" not in grab  # granted for at most buffer_ttl_s (+ slack)
+        for forged in ({}, {"lease": ""}, {"lease": "0" * 32}, {"token": "0" * 32}):
+            reply = client.request(endpoint, {"op": "release", **forged})
+            assert reply["ok"] is False
+        assert receivers[0].get("0", "1", "k", md) is None  # the one pull is leased away
+        time.sleep(1.5 + 0.1 + 0.6)  # the hostile lease lapses; the TTL frees the buffer
+        assert wait_until(lambda: s.pool.allocator.used == 0, 3), "a hostile lease pinned it"
+    finally:
+        client.close()
+        s.close()

@@ -2,8 +2,9 @@
 
 Every ``put`` creates an :class:`Exposure` identified by a random token. A
 receiver ``acquire``s a lease (so the TTL sweep cannot free the block under an
-in-flight pull), pulls, then ``release``s; the reply tells it whether the block
-stayed live for the whole pull. A block is freed after ``max_pulls`` successful
+in-flight pull), pulls, then ``release``s it by the lease id; the reply tells it
+whether the block stayed live for the whole pull. The token is never disclosed by
+``acquire``: only a pull planned from the producer's put metadata releases by it. A block is freed after ``max_pulls`` successful
 pulls (``0``: only by cleanup / TTL), when its TTL passes with no lease held,
 or when it is retired (cleanup / replaced by a newer put) and its last lease
 ends. All methods are thread-safe.
@@ -60,6 +61,7 @@ class ExposureTable:
         self._lock = threading.Lock()
         self._by_token: dict[str, Exposure] = {}
         self._by_key: dict[str, str] = {}
+        self._by_lease: dict[str, str] = {}  # lease id -> token
         self.expired = 0
 
     def add(
@@ -99,7 +101,14 @@ class ExposureTable:
         if not e.leases:
             self._free_locked(e)
 
+    def _drop_lease_locked(self, e: Exposure, lease: str) -> None:
+        e.leases.pop(lease, None)
+        self._by_lease.pop(lease, None)
+        _forget_holder(e, lease)
+
     def _free_locked(self, e: Exposure) -> None:
+        for lease in list(e.leases):
+            self._by_lease.pop(lease, None)
         if self._by_token.pop(e.token, None) is not None:
             if self._by_key.get(e.key) == e.token:
                 del self._by_key[e.key]
@@ -116,18 +125,18 @@ class ExposureTable:
             if e is None:
                 return {"ok": False, "reason": "not_found"}
             if holder is not None:
-                stale = e.holders.pop(holder, None)
+                stale = e.holders.get(holder)
                 if stale is not None:
-                    e.leases.pop(stale, None)
+                    self._drop_lease_locked(e, stale)
             if not e.unlimited and e.remaining - len(e.leases) <= 0:
                 return {"ok": False, "reason": "exhausted"}
             lease = uuid.uuid4().hex
             e.leases[lease] = time.monotonic() + lease_s + self.lease_slack_s
+            self._by_lease[lease] = e.token
             if holder is not None:
                 e.holders[holder] = lease
             return {
                 "ok": True,
-                "token": e.token,
                 "lease": lease,
                 "src_addr": e.buf.address,
                 "data_size": e.size,
@@ -137,12 +146,19 @@ class ExposureTable:
             }
 
     def release(self, token: str, lease: str | None, success: bool) -> dict[str, Any]:
-        """End a pull; ``ok`` is False when the block did not stay live for all of it."""
+        """End a pull, named by its lease (an acquire's) or else by the block's token (a
+        pull planned from the producer's put metadata); ``ok`` is False when the block did
+        not stay live for all of it."""
         with self._lock:
-            e = self._by_token.get(token)
-            if e is None or (lease is not None and e.leases.pop(lease, None) is None):
-                return {"ok": False, "reason": "expired"}
-            _forget_holder(e, lease)
+            if lease is not None:
+                e = self._by_token.get(self._by_lease.get(lease, ""))
+                if e is None or lease not in e.leases:
+                    return {"ok": False, "reason": "expired"}
+                self._drop_lease_locked(e, lease)
+            else:
+                e = self._by_token.get(token)
+                if e is None:
+                    return {"ok": False, "reason": "expired"}
             if success and not e.unlimited:
                 e.remaining -= 1
             done = not e.unlimited and e.remaining <= 0
@@ -160,8 +176,7 @@ class ExposureTable:
                         logger.warning(
                             "a pull lease on %r expired: its receiver never finished", e.key
                         )
-                        del e.leases[lease]
-                        _forget_holder(e, lease)
+                        self._drop_lease_locked(e, lease)
                 if e.leases:
                     continue
                 if e.retired:

@@ -27,6 +27,7 @@ Buffers never pulled are freed ``buffer_ttl_s`` after ``put``.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import math
 import threading
 import time
 import uuid
@@ -176,15 +177,24 @@ class PullTransferConnector(OmniConnectorBase):
         op = msg.get("op")
         if op == "acquire":
             holder = msg.get("holder")
+            lease_s = msg.get("lease_s", self.transfer_timeout_s)
+            if not isinstance(lease_s, int | float) or not 0 < lease_s < math.inf:
+                return {
+                    "ok": False,
+                    "reason": "error",
+                    "error": "lease_s must be a positive number",
+                }
             reply = self._exposed.acquire(
                 str(msg.get("key", "")),
-                float(msg.get("lease_s", self.transfer_timeout_s)),
+                min(float(lease_s), self.buffer_ttl_s),  # nobody pins a buffer for longer
                 None if holder is None else str(holder),
             )
             if reply["ok"]:
                 reply["session"] = self.engine.session
             return reply
         if op == "release":
+            # by the lease an acquire granted, or (a pull planned from the producer's put
+            # metadata) by the block's token, which the side channel never discloses
             lease = msg.get("lease")
             return self._exposed.release(
                 str(msg.get("token", "")),
@@ -287,7 +297,9 @@ class PullTransferConnector(OmniConnectorBase):
         md, lease_id = found
         size, session, src = int(md["data_size"]), str(md["session"]), int(md["src_addr"])
         lease = Lease(
-            lambda ok: self._release_remote(endpoint, key, md["token"], lease_id, success=ok)
+            lambda ok: self._release_remote(
+                endpoint, key, md.get("token", ""), lease_id, success=ok
+            )
         )
         try:
             local = self.pool.alloc(max(size, 1))
@@ -359,7 +371,7 @@ class PullTransferConnector(OmniConnectorBase):
         if found is None:
             return False
         md, lease_id = found
-        self._release_remote(endpoint, bkey, md["token"], lease_id, success=True)
+        self._release_remote(endpoint, bkey, md.get("token", ""), lease_id, success=True)
         return True
 
     def _timed_out(self, err: KVTransferTimeout) -> None:

@@ -27,6 +27,11 @@ Handler = Callable[[dict[str, Any]], dict[str, Any]]
 
 #: largest message either side accepts; requests/replies are tiny maps
 MAX_MESSAGE = 1 << 20
+#: requests a server answers per second (a token bucket of this many, refilled continuously);
+#: beyond that it replies ``busy`` without running the handler, and clients retry
+MAX_RATE = 20000.0
+#: ops answered even when over the rate (ending a pull must never fail for load)
+EXEMPT_OPS = frozenset({"release"})
 
 
 def pack(msg: dict[str, Any]) -> bytes:
@@ -61,8 +66,12 @@ class SideChannelServer:
         on_idle: Callable[[], None] | None = None,
         idle_interval_s: float = 0.2,
         name: str = "omnikv-side-channel",
+        max_rate: float = MAX_RATE,
     ) -> None:
         self._handler = handler
+        self._rate = float(max_rate)
+        self._tokens = self._rate
+        self._refilled = time.monotonic()
         self._on_idle = on_idle
         self._idle_interval = max(0.01, idle_interval_s)
         self._own_ctx = ctx is None
@@ -125,8 +134,19 @@ class SideChannelServer:
         if len(frames) < 3:  # ROUTER: identity, empty delimiter (REQ), payload
             return
         ident, payload = frames[0], frames[-1]
+        now = time.monotonic()
+        self._tokens = min(self._rate, self._tokens + (now - self._refilled) * self._rate)
+        self._refilled = now
         try:
-            reply = self._handler(unpack(payload))
+            msg = unpack(payload)
+            if self._tokens < 1 and msg.get("op") not in EXEMPT_OPS:
+                reply = {"ok": False, "reason": "busy"}
+            else:
+                self._tokens -= 1
+                reply = self._handler(msg)
+        except KVTransferError as e:  # a malformed request: answer it, no traceback
+            logger.debug("side-channel request refused: %s", e)
+            reply = {"ok": False, "reason": "error", "error": str(e)}
         except Exception as e:
             logger.exception("side-channel handler failed")
             reply = {"ok": False, "reason": "error", "error": f"{type(e).__name__}: {e}"}
