@@ -47,16 +47,17 @@ bench: env
 
 # GPU check, on a machine with torch + CUDA and no vLLM or package registry (the device
 # tool's machine): the layout emulator suite and the transfer core's CUDA tests on `cuda`.
-# `make gpu-wheels` (here, with a registry) puts the pure dependencies that machine may
-# lack in $(GPU_WHEELS)/ (git-ignored, ~6 MiB; carry it); `make gpu-check` installs the
-# missing ones from there and runs the tests with the machine's python3.
+# `make gpu-wheels` (here, with a registry) puts the dependencies that machine may lack in
+# $(GPU_WHEELS)/ (git-ignored; carry it) for GPU_PY_VERSIONS; numpy is expected with torch.
+# `make gpu-check` installs them from there and runs the tests with the machine's python3.
 GPU_PY ?= python3
 GPU_WHEELS ?= .gpu-wheels
-GPU_DEPS := msgpack xxhash pyzmq pyyaml safetensors numpy pytest pytest-timeout pluggy iniconfig packaging hypothesis attrs sortedcontainers
+GPU_PY_VERSIONS ?= 3.10 3.11 3.12 3.13
+GPU_DEPS := msgpack xxhash pyzmq pyyaml safetensors pytest pytest-timeout pluggy iniconfig packaging hypothesis attrs sortedcontainers
 GPU_TESTS := tests/connector/test_layout_emulated.py tests/kvcache/test_cache_layout.py tests/wire/test_codec.py
 
 gpu-wheels: env
-	for v in 3.10 3.11 3.12 3.13; do \
+	for v in $(GPU_PY_VERSIONS); do \
 	  $(PIP) download -q --only-binary=:all: --no-deps --python-version $$v \
 	    --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
 	    --platform manylinux_2_28_x86_64 -d $(GPU_WHEELS) $(GPU_DEPS) || exit 1; \
@@ -64,8 +65,8 @@ gpu-wheels: env
 
 gpu-check:
 	$(GPU_PY) -c "import torch; assert torch.cuda.is_available(), 'gpu-check needs a CUDA device'"
-	$(GPU_PY) -m pip install -q --no-index --find-links $(GPU_WHEELS) $(GPU_DEPS) 2>/dev/null \
-	  || $(GPU_PY) -c "import msgpack, xxhash, zmq, yaml, safetensors, pytest"
+	-$(GPU_PY) -m pip install -q --no-index --find-links $(GPU_WHEELS) $(GPU_DEPS)
+	$(GPU_PY) -c "import msgpack, xxhash, zmq, yaml, safetensors, numpy, pytest, hypothesis"
 	OMNIKV_TEST_DEVICE=cuda PYTHONPATH=$(CURDIR) $(GPU_PY) -m pytest -q -p no:cacheprovider \
 	  $(GPU_TESTS) -k "layout or emulat or accelerator or cuda"
 
