@@ -319,3 +319,35 @@ def test_sweep_skips_what_it_must_not_or_cannot_remove(ns, monkeypatch, caplog):
         for name in (theirs, stuck, gone):
             if os.path.exists(f"/dev/shm/{name}"):
                 os.unlink(f"/dev/shm/{name}")
+
+
+@pytest.fixture
+def small_shm(tmp_path, monkeypatch):
+    """A 2 MiB tmpfs as the arena's directory (needs root to mount; skipped otherwise)."""
+    import subprocess
+
+    mnt = tmp_path / "shm"
+    mnt.mkdir()
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True
+    )
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {r.stderr.decode().strip()}")
+    monkeypatch.setattr(shm_arena, "SHM_DIR", str(mnt))
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_full_shm_is_a_clean_error_not_a_sigbus(ns, small_shm):
+    """Segments reserve their pages up front: no room is a KVTransferError at put time,
+    nothing is left behind, and what fits still travels."""
+    with SharedMemoryConnector({"namespace": ns, "max_bytes": 64 << 20}) as conn:
+        big = KVCacheTransferData("r", {"x": [torch.zeros(4 << 20, dtype=torch.uint8)]}, [], {})
+        with pytest.raises(KVTransferError, match="has no room.*--shm-size"):
+            conn.put("0", "1", "big", big)
+        assert os.listdir(small_shm) == []
+        conn.put("0", "1", "k", _payload())
+        got = conn.get("0", "1", "k")
+        assert got is not None and got[0]["metadata"]["seq_len"] == 300

@@ -30,6 +30,7 @@ Files of dead processes are swept by :func:`sweep_orphans`.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import mmap
 import os
@@ -40,6 +41,7 @@ from dataclasses import dataclass
 import msgpack
 import numpy as np
 
+from vllm_omni_kv.errors import KVTransferError
 from vllm_omni_kv.logger import init_logger
 from vllm_omni_kv.wire import codec
 
@@ -95,13 +97,31 @@ def unlink_quiet(name: str) -> bool:
         return False
 
 
+def _no_room(what: str, err: OSError) -> KVTransferError:
+    try:
+        st = os.statvfs(SHM_DIR)
+        free = f"{st.f_bavail * st.f_frsize} bytes free"
+    except OSError:
+        free = "free space unknown"
+    return KVTransferError(
+        f"{SHM_DIR} has no room for {what} ({free}; {err.strerror}): enlarge it (Docker: "
+        "--shm-size), lower the shared-memory backend's max_bytes, or use another backend"
+    )
+
+
 def _create_file(name: str, size: int) -> int:
+    """Create an owner-only file of ``size`` bytes whose pages are reserved up front, so a
+    full ``/dev/shm`` is an error here rather than a SIGBUS when the bytes are written."""
     fd = os.open(path(name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, size)
-    except BaseException:
+        if size:
+            os.posix_fallocate(fd, 0, size)
+    except BaseException as e:
         os.close(fd)
         unlink_quiet(name)
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.ENOMEM):
+            raise _no_room(f"a {size}-byte segment", e) from None
         raise
     return fd
 
@@ -311,8 +331,10 @@ def _write_index(name: str, content: bytes) -> None:
     try:
         os.write(fd, content)
         os.rename(path(tmp), path(name))
-    except BaseException:
+    except BaseException as e:
         unlink_quiet(tmp)
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            raise _no_room("an index entry", e) from None
         raise
     finally:
         os.close(fd)
