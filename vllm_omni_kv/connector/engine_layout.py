@@ -9,6 +9,7 @@ guessing from tensor shapes, and checks every registered view against them.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,22 +53,17 @@ class EngineLayout:
                 f"view [blocks, kv_heads, block_size, C], got "
                 f"{tuple(getattr(view, 'shape', ())) or type(view).__name__}"
             )
-        guess = infer_identity(view, packing=self.packing, block_size=self.block_size)
         kernel = int(view.shape[2])
         if self.block_size % kernel:
             raise ConfigError(
                 f"layer {name!r}: kernel block size {kernel} does not divide the block size "
                 f"{self.block_size}"
             )
-        ident = KVLayoutId(
-            packing=guess.packing,
+        guess = infer_identity(view, packing=self.packing, block_size=self.block_size)
+        ident = dataclasses.replace(
+            guess,
             layout=self.layout or guess.layout,
             dtype=dtype_name(view.dtype, self.cache_dtype),
-            block_size=self.block_size,
-            kernel_block_size=kernel,
-            kv_heads=guess.kv_heads,
-            head_size=guess.head_size,
-            element_size=view.element_size(),
             backend=self.backend,
         )
         check_view(view, ident, f"layer {name!r}")

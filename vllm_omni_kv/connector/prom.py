@@ -12,7 +12,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-from vllm_omni_kv.connector.stats import FAILURE_REASONS
+from vllm_omni_kv.connector.stats import FAILURE_COUNTERS, FAILURE_REASONS
 
 #: load latency buckets (seconds): shared memory loads take milliseconds, network ones more
 LOAD_SECONDS_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30]
@@ -25,11 +25,6 @@ _COUNTERS = {
     "bytes_received": ("vllm:omnikv_received_bytes", "KV bytes loaded by this consumer"),
     "num_recvs": ("vllm:omnikv_loads", "Successful KV loads"),
     "tokens_received": ("vllm:omnikv_loaded_tokens", "Prompt tokens loaded instead of computed"),
-}
-_FAILURE_KEYS = {
-    "timeout": "num_recv_timeouts",
-    "cancelled": "num_recv_cancelled",
-    "refused": "num_recv_refused",
 }
 
 
@@ -96,7 +91,7 @@ class OmniKVPromMetrics(KVConnectorPromMetrics):
                 per_engine[engine_idx].inc(d[key])
         failed = int(d.get("num_recv_failures", 0))
         named = 0
-        for reason, key in _FAILURE_KEYS.items():
+        for reason, key in FAILURE_COUNTERS.items():
             n = int(d.get(key, 0))
             named += n
             if n:

@@ -34,6 +34,12 @@ MAX_SAMPLES = 4096
 GAUGES: tuple[str, ...] = ("payloads_held",)
 #: why a load failed: ``num_recv_failures`` counts them all
 FAILURE_REASONS = ("timeout", "cancelled", "refused", "transport")
+#: the counter of each reason that has one of its own ("transport" is the rest)
+FAILURE_COUNTERS = {
+    "timeout": "num_recv_timeouts",
+    "cancelled": "num_recv_cancelled",
+    "refused": "num_recv_refused",
+}
 
 
 def _zero() -> dict[str, Any]:
@@ -78,9 +84,7 @@ class OmniKVConnectorStats(KVConnectorStats):
                 self.data["load_bytes"].append(int(nbytes))
             return
         self.data["num_recv_failures"] += 1
-        key = {"timeout": "num_recv_timeouts", "cancelled": "num_recv_cancelled"}.get(reason)
-        if reason == "refused":
-            key = "num_recv_refused"
+        key = FAILURE_COUNTERS.get(reason)
         if key is not None:
             self.data[key] += 1
 

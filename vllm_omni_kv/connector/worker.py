@@ -81,8 +81,17 @@ class _Outcome:
     write_seconds: float = 0.0  # verifying and writing the bytes into the cache
     error: str = ""
     timed_out: bool = False
-    refused: bool = False
+    refused: bool = False  # the payload was refused (prompt, model, layout, bytes)
     cancelled: bool = False
+
+    @property
+    def reason(self) -> str:
+        """Why the load failed (a ``FAILURE_REASONS`` value of the stats)."""
+        if self.timed_out:
+            return "timeout"
+        if self.cancelled:
+            return "cancelled"
+        return "refused" if self.refused else "transport"
 
 
 class OmniKVWorker:
@@ -393,10 +402,7 @@ class OmniKVWorker:
         return sending, recving
 
     def _report(self, out: _Outcome) -> None:
-        reason = "timeout" if out.timed_out else "cancelled" if out.cancelled else "transport"
-        self.stats.record_recv(
-            out.nbytes, out.seconds, out.tokens, out.ok, "refused" if out.refused else reason
-        )
+        self.stats.record_recv(out.nbytes, out.seconds, out.tokens, out.ok, out.reason)
         self._worker_meta[out.req_id] = {
             "ok": out.ok,
             "tokens": out.tokens,

@@ -216,7 +216,10 @@ def token_views(view: torch.Tensor, ident: KVLayoutId) -> tuple[torch.Tensor, to
         t = view.transpose(1, 2)
         d = ident.head_size
         return t[..., :d], t[..., d:]
-    nb, h, n, c = view.shape  # kt_v: per (block, head), K^T [D, N] then V [N, D]
+    # kt_v: per (block, head), K^T [D, N] (one row per channel, for the vec/vec16 kernels'
+    # vectorised q.k) then V [N, D]; checked against a live vLLM 0.32 CPU engine in
+    # tests/kvcache/test_cpu_layout.py (the amx kernel is not covered)
+    nb, h, n, c = view.shape
     d = c // 2
     try:
         halves = view.view(nb, h, 2, n * d)

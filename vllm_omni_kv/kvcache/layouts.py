@@ -12,7 +12,13 @@ from typing import Any
 import torch
 
 from vllm_omni_kv.errors import ConfigError, KVPayloadError
-from vllm_omni_kv.kvcache.cache_layout import KVLayoutId, block_kv, check_view
+from vllm_omni_kv.kvcache.cache_layout import (
+    KVLayoutId,
+    block_kv,
+    check_view,
+    infer_identity,
+    token_views,
+)
 from vllm_omni_kv.logger import init_logger
 
 logger = init_logger(__name__)
@@ -72,20 +78,15 @@ def _split(layer_kv: Any, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
                 f"flashinfer layout needs [nb, 2, bs, h, d], got {tuple(layer_kv.shape)}"
             )
         return layer_kv[:, 0], layer_kv[:, 1]
-    # cpu: [nb, h, bs, 2*d]. Per (block, head) the memory holds K then V, bs*d values
-    # each; the "vec"/"vec16" kernels store K transposed ([d, bs]: one row per
-    # channel, for vectorised q.k) and V as [bs, d] rows. Verified against a live
-    # vLLM 0.32 engine (tests/kvcache/test_cpu_layout.py); the "amx" kernel is not covered.
+    # cpu: [nb, h, bs, 2*d], vLLM's CPU packing (K transposed, then V, per block and head;
+    # see cache_layout.token_views)
     if layer_kv.dim() != 4 or layer_kv.shape[3] % 2 != 0:
         raise KVPayloadError(f"cpu layout needs [nb, h, bs, 2*d], got {tuple(layer_kv.shape)}")
-    nb, h, bs, d2 = layer_kv.shape
-    d = d2 // 2
     try:
-        halves = layer_kv.view(nb, h, 2, bs * d)
-    except RuntimeError as exc:
+        key, value = token_views(layer_kv, infer_identity(layer_kv, packing="kt_v"))
+    except ConfigError as exc:
         raise KVPayloadError(f"cpu-layout KV cache cannot be viewed per block/head: {exc}") from exc
-    key = halves[:, :, 0].view(nb, h, d, bs).permute(0, 3, 1, 2)
-    value = halves[:, :, 1].view(nb, h, bs, d).permute(0, 2, 1, 3)
+    assert value is not None
     return key, value
 
 
