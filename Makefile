@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0+cpu
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml scripts/setup_env.sh 2>/dev/null | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: env test lint typecheck pytest demo demo-ar bench clean doctor gpu-wheels gpu-check
+.PHONY: env test lint typecheck pytest demo demo-ar bench clean doctor gpu-wheels gpu-check bench-load
 
 env: $(STAMP)
 
@@ -53,8 +53,11 @@ bench: env
 GPU_PY ?= python3
 GPU_WHEELS ?= .gpu-wheels
 GPU_PY_VERSIONS ?= 3.10 3.11 3.12 3.13
+# where gpu-check writes the GPU benchmark's JSON (on the device tool: its $OUT folder)
+GPU_OUT ?= $(if $(OUT),$(OUT),benchmarks/results)
 GPU_DEPS := msgpack xxhash pyzmq pyyaml safetensors pytest pytest-timeout pluggy iniconfig packaging hypothesis attrs sortedcontainers
-GPU_TESTS := tests/connector/test_layout_emulated.py tests/kvcache/test_cache_layout.py tests/wire/test_codec.py
+GPU_TESTS := tests/connector/test_layout_emulated.py tests/kvcache/test_cache_layout.py \
+  tests/kvcache/test_device_staging.py tests/wire/test_codec.py
 
 gpu-wheels: env
 	for v in $(GPU_PY_VERSIONS); do \
@@ -69,6 +72,13 @@ gpu-check:
 	$(GPU_PY) -c "import msgpack, xxhash, zmq, yaml, safetensors, numpy, pytest, hypothesis"
 	OMNIKV_TEST_DEVICE=cuda PYTHONPATH=$(CURDIR) $(GPU_PY) -m pytest -q -p no:cacheprovider \
 	  $(GPU_TESTS) -k "layout or emulat or accelerator or cuda"
+	PYTHONPATH=$(CURDIR) $(GPU_PY) benchmarks/gpu_copy_bench.py --out $(GPU_OUT)/gpu_copy_bench.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+
+# P/D under load (benchmarks/pd_load.py): vLLM's own benchmark client through the proxy for
+# colocated, OmniKV shared memory / Mooncake, ExampleConnector and NixlConnector (nixl comes
+# with `make env`; without it the JSON records why NIXL did not run).
+bench-load: env
+	$(PY) benchmarks/pd_load.py

@@ -9,6 +9,11 @@ The KV shape is realistic: 8 layers x 8 KV heads x head size 128, bf16, vLLM 0.3
 paged layout with block size 32 and shuffled block ids; the consumer injects into its own
 paged cache. Rows report the median of the timed repeats (after one warm-up); the moves
 run in ``--trials`` rounds, each against a memcpy measured just before it.
+
+The cost of the shared secret (``auth_key_file``): pack and unpack of a keyed frame
+(keyed BLAKE2b chunk tags and head MAC beside the xxh3 digests) and the default move
+with a key on both sides, each against its unkeyed twin of the same trial
+(``vs_unkeyed``: keyed bytes/s over unkeyed bytes/s).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -30,6 +36,8 @@ from vllm_omni_kv.kvcache.paged_blocks import extract_request_blocks
 from vllm_omni_kv.kvcache.token_major import extract_request_kv
 from vllm_omni_kv.transfer.kv_config import DEFAULT_MAX_PART_BYTES, OmniKVCacheConfig
 from vllm_omni_kv.transfer.manager import OmniKVTransferManager
+from vllm_omni_kv.wire import codec
+from vllm_omni_kv.wire.auth import load_key_file
 from vllm_omni_kv.wire.payload import KVCacheTransferData
 
 LAYERS, HEADS, DIM, BS = 8, 8, 128, 32
@@ -125,7 +133,12 @@ def concurrent_memcpy(nbytes: int, repeats: int) -> float:
 
 
 def _manager(
-    ns: str, *, send: bool, max_part_bytes: int | None, stream: bool = True
+    ns: str,
+    *,
+    send: bool,
+    max_part_bytes: int | None,
+    stream: bool = True,
+    auth_key_file: str | None = None,
 ) -> OmniKVTransferManager:
     return OmniKVTransferManager(
         OmniKVCacheConfig(
@@ -139,6 +152,7 @@ def _manager(
             poll_interval=0.0001,
             max_poll_interval=0.0001,
             max_part_bytes=max_part_bytes,
+            auth_key_file=auth_key_file,
         )
     )
 
@@ -156,11 +170,14 @@ def _consumer(
     repeats: int,
     max_part_bytes: int | None,
     stream: bool,
+    auth_key_file: str | None,
     conn_pipe: Any,
 ) -> None:
     torch.set_num_threads(1)
     caches, ids = _paged_caches(tokens, seed=99)  # the consumer's own cache, other block ids
-    mgr = _manager(ns, send=False, max_part_bytes=max_part_bytes, stream=stream)
+    mgr = _manager(
+        ns, send=False, max_part_bytes=max_part_bytes, stream=stream, auth_key_file=auth_key_file
+    )
     try:
         for i in range(repeats + 1):
             got = mgr.receive_kv_cache_into(f"req{i}", list(caches), ids)
@@ -178,21 +195,25 @@ def shm_move(
     fmt: str = "blocks",
     max_part_bytes: int | None = None,
     stream: bool = True,
+    auth_key_file: str | None = None,
 ) -> tuple[float, int]:
     """Median seconds from the producer's extract+send start to the consumer's inject end.
 
     Both sides run ``OmniKVTransferManager`` (``send_kv_cache`` /
-    ``receive_kv_cache_into``) over the shared-memory backend.
+    ``receive_kv_cache_into``) over the shared-memory backend (keyed with
+    ``auth_key_file`` when given).
     """
     tokens = _tokens_for(nbytes_target >> 20)
     caches, ids = _paged_caches(tokens, seed=1)
     ns = f"bench{os.getpid()}"
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    args = (ns, fmt, tokens, repeats, max_part_bytes, stream, child)
+    args = (ns, fmt, tokens, repeats, max_part_bytes, stream, auth_key_file, child)
     proc = ctx.Process(target=_consumer, args=args)
     proc.start()
-    tx = _manager(ns, send=True, max_part_bytes=max_part_bytes, stream=stream)
+    tx = _manager(
+        ns, send=True, max_part_bytes=max_part_bytes, stream=stream, auth_key_file=auth_key_file
+    )
     times = []
     size = 0
     try:
@@ -215,16 +236,28 @@ def shm_move(
 
 
 PAIR_ROW = "memcpy, 2 processes at once (each)"
-#: (row, payload format, max_part_bytes, stream); the first row is the default configuration
-MOVES: list[tuple[str, str, int | None, bool]] = [
-    ("shm move, blocks, streamed (cache->cache, 2 procs)", "blocks", None, True),
-    ("shm move, blocks, layer parts, not streamed", "blocks", DEFAULT_MAX_PART_BYTES, False),
-    ("shm move, blocks, one frame, not streamed", "blocks", 0, False),
-    ("shm move, tokens, streamed (cache->cache, 2 procs)", "tokens", None, True),
+KEYED_MOVE = "shm move, blocks, streamed, auth key (MAC)"
+#: (row, payload format, max_part_bytes, stream, keyed); the first row is the default
+#: configuration, and KEYED_MOVE is the same move with an auth key on both sides
+MOVES: list[tuple[str, str, int | None, bool, bool]] = [
+    ("shm move, blocks, streamed (cache->cache, 2 procs)", "blocks", None, True, False),
+    ("shm move, blocks, layer parts, not streamed", "blocks", DEFAULT_MAX_PART_BYTES, False, False),
+    ("shm move, blocks, one frame, not streamed", "blocks", 0, False, False),
+    ("shm move, tokens, streamed (cache->cache, 2 procs)", "tokens", None, True, False),
+    (KEYED_MOVE, "blocks", None, True, True),
 ]
 
 
-def measure_size(mib: int, repeats: int, trials: int) -> list[dict[str, Any]]:
+def _key_file(directory: str) -> str:
+    """A fresh 32-byte secret in a private file, as a deployment would configure it."""
+    path = os.path.join(directory, "omnikv-bench.key")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(os.urandom(32))
+    return path
+
+
+def measure_size(mib: int, repeats: int, trials: int, key_file: str) -> list[dict[str, Any]]:
     """memcpy, pack, unpack and the two-process moves for one payload size.
 
     The moves run in ``trials`` rounds, each with its own memcpy baseline: this host's
@@ -252,13 +285,32 @@ def measure_size(mib: int, repeats: int, trials: int) -> list[dict[str, Any]]:
     rows.append(_row("unpack (verify, views)", frame.nbytes, unpack_s, memcpy_s))
     unpack_nv = _median_seconds(lambda: KVCacheTransferData.from_bytes(buf, verify=False), repeats)
     rows.append(_row("unpack (no verify, views)", frame.nbytes, unpack_nv, memcpy_s))
+    auth = load_key_file(key_file)
+    keyed = codec.encode(extract_request_blocks("r", ids, tokens, caches), None, auth)
+    kbuf = bytearray(keyed.nbytes)
+    keyed.pack_into(kbuf)
+    kpack_s = _median_seconds(lambda: keyed.pack_into(kbuf), repeats)
+    kpack = _row("pack blocks (gather+checksum+MAC)", keyed.nbytes, kpack_s, memcpy_s)
+    kpack["vs_unkeyed"] = (keyed.nbytes / kpack_s) / (frame.nbytes / pack_s)
+    rows.append(kpack)
+    kunpack_s = _median_seconds(lambda: codec.decode(kbuf, auth=auth), repeats)
+    kunpack = _row("unpack (verify+MAC, views)", keyed.nbytes, kunpack_s, memcpy_s)
+    kunpack["vs_unkeyed"] = (keyed.nbytes / kunpack_s) / (frame.nbytes / unpack_s)
+    rows.append(kunpack)
     samples: dict[str, list[tuple[float, float, int]]] = {m[0]: [] for m in MOVES}
     pairs: list[tuple[float, float]] = []
     for _ in range(trials):
         base = memcpy()
         pairs.append((concurrent_memcpy(nbytes, repeats * 2), base))
-        for path, fmt, part, stream in MOVES:
-            move_s, size = shm_move(nbytes, repeats, fmt, max_part_bytes=part, stream=stream)
+        for path, fmt, part, stream, with_key in MOVES:
+            move_s, size = shm_move(
+                nbytes,
+                repeats,
+                fmt,
+                max_part_bytes=part,
+                stream=stream,
+                auth_key_file=key_file if with_key else None,
+            )
             samples[path].append((move_s, base, size))
     pair = _row(
         PAIR_ROW,
@@ -270,7 +322,7 @@ def measure_size(mib: int, repeats: int, trials: int) -> list[dict[str, Any]]:
     rows.append(pair)
     line = f"{mib:4d} MiB  memcpy {nbytes / memcpy_s / 1e9:6.2f} GB/s | pack {frame.nbytes / pack_s / 1e9:6.2f}"
     line += f" | 2 memcpys at once: {pair['fraction_of_memcpy']:.0%} each"
-    for path, _fmt, part, stream in MOVES:
+    for path, _fmt, part, stream, with_key in MOVES:
         got = samples[path]
         fractions = [b / m for m, b, _ in got]
         move_s = statistics.median(m for m, _, _ in got)
@@ -284,9 +336,19 @@ def measure_size(mib: int, repeats: int, trials: int) -> list[dict[str, Any]]:
         )
         row["max_part_bytes"] = part
         row["stream"] = stream
+        row["auth_key"] = with_key
+        if with_key:  # bytes/s keyed over unkeyed, trial by trial (same memcpy baseline)
+            plain = samples[MOVES[0][0]]
+            ratios = [
+                (sk / k) / (sp / p) for (k, _, sk), (p, _, sp) in zip(got, plain, strict=True)
+            ]
+            row["vs_unkeyed"] = statistics.median(ratios)
+            row["vs_unkeyed_samples"] = [round(r, 3) for r in ratios]
         rows.append(row)
         line += f" | {path.split(' (')[0][10:]}: {row['fraction_of_memcpy']:.0%}"
         line += f" ({min(fractions):.0%}-{max(fractions):.0%})"
+    line += f" | keyed/unkeyed: pack {kpack['vs_unkeyed']:.0%}, unpack {kunpack['vs_unkeyed']:.0%}"
+    line += f", move {rows[-1]['vs_unkeyed']:.0%}"
     print(line, flush=True)
     return rows
 
@@ -294,8 +356,10 @@ def measure_size(mib: int, repeats: int, trials: int) -> list[dict[str, Any]]:
 def run(sizes_mib: list[int], repeats: int, trials: int = 3) -> list[dict[str, Any]]:
     torch.set_num_threads(1)  # one core per process: the consumer owns the other
     rows: list[dict[str, Any]] = []
-    for mib in sizes_mib:
-        rows += measure_size(mib, repeats, trials)
+    with tempfile.TemporaryDirectory(prefix="omnikv-bench-") as tmp:
+        key_file = _key_file(tmp)
+        for mib in sizes_mib:
+            rows += measure_size(mib, repeats, trials, key_file)
     return rows
 
 
@@ -329,13 +393,19 @@ def plot(rows: list[dict[str, Any]], out: Path) -> None:
         key=lambda p: (p != "memcpy", p),
     )
     for p in paths:
-        pts = sorted((r["size_mib"], r["gbps"]) for r in rows if r.get("path") == p and "gbps" in r)
+        mine = [r for r in rows if r.get("path") == p and "gbps" in r]
+        pts = sorted((r["size_mib"], r["gbps"]) for r in mine)
+        label = p
+        ratios = [r["vs_unkeyed"] for r in mine if "vs_unkeyed" in r]
+        if ratios:  # the MAC's cost, as keyed bytes/s over unkeyed (median over sizes)
+            label += f" [{statistics.median(ratios):.0%} of unkeyed]"
         ax.plot(
             [x for x, _ in pts],
             [y for _, y in pts],
             marker="o",
-            label=p,
-            lw=2.5 if p in ("memcpy", MOVES[0][0]) else 1.5,
+            label=label,
+            lw=2.5 if p in ("memcpy", MOVES[0][0], KEYED_MOVE) else 1.5,
+            ls="--" if ratios else "-",
         )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")

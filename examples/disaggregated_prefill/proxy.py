@@ -9,7 +9,8 @@ For each ``/v1/completions`` or ``/v1/chat/completions`` request:
    (streamed when the client asked for a stream).
 
 If the prefill step fails, the request still goes to the consumer, without
-transfer parameters: it then prefills locally (slower, same tokens).
+transfer parameters: it then prefills locally (slower, same tokens). A client that
+hangs up ends the upstream request of whichever step is running (the server aborts it).
 
     python examples/disaggregated_prefill/proxy.py --port 8000 \\
         --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200
@@ -107,10 +108,15 @@ class Proxy:
                 )
             out = web.StreamResponse(status=upstream.status)
             out.content_type = upstream.content_type
-            await out.prepare(request)
-            async for chunk in upstream.content.iter_any():
-                await out.write(chunk)
-            await out.write_eof()
+            try:
+                await out.prepare(request)
+                async for chunk in upstream.content.iter_any():
+                    await out.write(chunk)
+                await out.write_eof()
+            except ConnectionResetError:
+                # the client hung up: leaving this block closes the decode connection,
+                # so the decode server aborts the request and frees its blocks
+                log.info("client of %s hung up mid-stream; decode request aborted", url)
             return out
 
     async def health(self, request: web.Request) -> web.Response:
@@ -154,7 +160,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--log-level", default="INFO")
     a = ap.parse_args(argv)
     logging.basicConfig(level=a.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    web.run_app(make_app(a.prefill, a.decode, a.timeout), host=a.host, port=a.port, print=None)
+    web.run_app(
+        make_app(a.prefill, a.decode, a.timeout),
+        host=a.host,
+        port=a.port,
+        print=None,
+        handler_cancellation=True,  # a client that hangs up cancels its upstream requests
+    )
 
 
 if __name__ == "__main__":

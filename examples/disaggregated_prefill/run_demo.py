@@ -275,8 +275,6 @@ def serve_cmd(model: Path, port: int, ktc: dict[str, Any] | None) -> list[str]:
 
 def load_configs(backend: str) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
     """The producer/consumer ``--kv-transfer-config`` of ``backend`` and notes to print."""
-    from vllm_omni_kv.testing.net import free_port
-
     names = CONFIGS[backend]
     cfgs = []
     for n in names:
@@ -294,12 +292,10 @@ def load_configs(backend: str) -> tuple[dict[str, Any], dict[str, Any], list[str
                 "mooncake-transfer-engine-non-cuda (CPU hosts) or mooncake-transfer-engine "
                 "(CUDA hosts); or run the demo with the default --backend shm"
             )
-        # The consumer reaches the producer's side channel at the host/port the producer
-        # advertises (backend_extra host / zmq_port): take a free port instead of the
-        # file's, so the demo never collides with another server on this machine.
-        extra = prod["kv_connector_extra_config"].setdefault("backend_extra", {})
-        extra["zmq_port"] = free_port()
-        notes.append(f"(mooncake side channel of the producer on port {extra['zmq_port']})")
+        # No role and no zmq_port in the files: the role follows kv_role, and the
+        # producer's side channel binds a free port that it advertises to the consumer
+        # in kv_transfer_params (remote_port), so servers sharing a host never collide.
+        notes.append("(mooncake side channel of the producer on a free port, advertised)")
     return prod, cons, notes
 
 

@@ -1,7 +1,7 @@
 """Backend-conformance harnesses: one interface over every omni-connector backend.
 
 A harness owns a producer side and a consumer side of one backend. For
-``mooncake_te`` the producer lives in a separate process (``multiprocessing``
+``mooncake_te`` and ``nixl`` the producer lives in a separate process (``multiprocessing``
 spawn) driven over a pipe whose messages are codec frames (no pickle of
 payloads); the consumer is in the test process. Values that come back are
 normalised (``ManagedBuffer`` -> tensor or bytes, then released) so the same
@@ -122,12 +122,18 @@ def _recv(conn: Connection, timeout: float = 60.0) -> Any:
     return codec.decode(bytearray(conn.recv_bytes()))
 
 
-def sender_main(conn: Connection, config: dict[str, Any]) -> None:
-    """Child process: a MooncakeTransferEngineConnector driven by commands on ``conn``."""
+def sender_main(conn: Connection, config: dict[str, Any], backend: str = "mooncake_te") -> None:
+    """Child process: a pull connector (``mooncake_te`` or ``nixl``) driven by commands on ``conn``."""
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-    from vllm_omni_kv.backends.transfer_engine.mooncake import MooncakeTransferEngineConnector
+    c: Any
+    if backend == "nixl":
+        from vllm_omni_kv.backends.nixl.connector import NixlConnector
 
-    c = MooncakeTransferEngineConnector(config)
+        c = NixlConnector(config)
+    else:
+        from vllm_omni_kv.backends.transfer_engine.mooncake import MooncakeTransferEngineConnector
+
+        c = MooncakeTransferEngineConnector(config)
     _send(conn, {"info": c.get_connection_info()})
     while True:
         try:
@@ -162,10 +168,10 @@ def sender_main(conn: Connection, config: dict[str, Any]) -> None:
 class SenderProcess:
     """A spawned process running a sender connector; ``call`` sends one command."""
 
-    def __init__(self, config: dict[str, Any]) -> None:
+    def __init__(self, config: dict[str, Any], backend: str = "mooncake_te") -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=sender_main, args=(child, config), daemon=True)
+        self.proc = ctx.Process(target=sender_main, args=(child, config, backend), daemon=True)
         self.proc.start()
         child.close()
         self._lock = threading.Lock()
@@ -252,6 +258,41 @@ class MooncakeTEHarness(Harness):
         return self._cls(te_config("dual", pool_mib=4))
 
 
+def nixl_config(role: str, pool_mib: int = 320, **over: Any) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "role": role,
+        "host": "127.0.0.1",
+        "zmq_port": 0,
+        "memory_pool_size": pool_mib << 20,
+        "transfer_timeout_s": 20.0,
+        "side_channel_timeout_s": 5.0,
+    }
+    cfg.update(over)
+    return cfg
+
+
+class NixlHarness(MooncakeTEHarness):
+    """NIXL: the sender connector in its own process, the receiver here."""
+
+    name = "nixl"
+
+    def __init__(self) -> None:
+        from vllm_omni_kv.backends.nixl.connector import NixlConnector
+
+        self._cls = NixlConnector  # type: ignore[assignment]
+        self.proc = SenderProcess(nixl_config("sender"), backend="nixl")
+        self.producer = _RemoteProducer(self.proc)
+        try:
+            self.consumer = self._cls(nixl_config("receiver"))
+            self.consumer.update_sender_info(self.proc.info["host"], self.proc.info["zmq_port"])
+        except BaseException:
+            self.proc.stop()
+            raise
+
+    def fresh(self) -> OmniConnectorBase:
+        return self._cls(nixl_config("dual", pool_mib=4))
+
+
 class MooncakeStoreHarness(LocalHarness):
     def __init__(self, master: Any) -> None:
         from vllm_omni_kv.backends.mooncake_store.connector import MooncakeStoreConnector
@@ -275,6 +316,12 @@ def make_harness(name: str) -> Iterator[Harness]:
             h.close()
     elif name == "mooncake_te":
         h = MooncakeTEHarness()
+        try:
+            yield h
+        finally:
+            h.close()
+    elif name == "nixl":
+        h = NixlHarness()
         try:
             yield h
         finally:

@@ -38,9 +38,16 @@ _MC = [
     pytest.mark.skipif(not _HAS_MOONCAKE, reason="mooncake-transfer-engine is not installed"),
 ]
 
+_HAS_NIXL = importlib.util.find_spec("nixl") is not None
+_NIXL = [
+    pytest.mark.nixl,
+    pytest.mark.skipif(not _HAS_NIXL, reason="nixl is not installed (pip install nixl)"),
+]
+
 BACKENDS = [
     _shm_param(),
     pytest.param("mooncake_te", marks=[*_MC, pytest.mark.slow]),
+    pytest.param("nixl", marks=[*_NIXL, pytest.mark.slow]),
     pytest.param("mooncake_store", marks=[*_MC, pytest.mark.slow]),
 ]
 

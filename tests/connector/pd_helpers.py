@@ -17,15 +17,21 @@ from vllm_omni_kv.tiny_model import prompt_text
 __all__ = [
     "LOG_DIR",
     "NAMESPACE",
+    "SMALL_CACHE_BLOCKS",
     "EngineProc",
+    "assert_cache_free",
+    "colocated_reference",
     "engine_cfg",
     "engines",
     "kill_group",
     "live_arena_segment",
+    "long_prompt",
     "make_prompts",
     "omni_ktc",
     "omnikv_files",
     "sweep_dead_segments",
+    "tcp_connected",
+    "whole_cache_prompt",
 ]
 
 LOG_DIR = Path(os.environ.get("OMNIKV_TEST_LOGS", "/tmp/omnikv-test-logs"))
@@ -130,3 +136,65 @@ def live_arena_segment(name: str) -> bool:
         return False
     pid = shm_arena._owner_pid(name)
     return pid is not None and shm_arena.pid_alive(pid)
+
+
+#: a KV cache of this many 32-token blocks (``num_gpu_blocks_override``; vLLM keeps one as
+#: its null block): one prompt of :func:`whole_cache_prompt` needs every other block, so it
+#: completes only when no block leaked
+SMALL_CACHE_BLOCKS = 65
+
+
+def long_prompt(model_dir: Path, n_tokens: int, seed: int = 0) -> list[int]:
+    """A token-id prompt of exactly ``n_tokens`` tokens."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    ids: list[int] = []
+    part = 0
+    while len(ids) < n_tokens:
+        ids += tok(prompt_text(seed * 1000 + part, 400))["input_ids"]
+        part += 1
+    return ids[:n_tokens]
+
+
+def whole_cache_prompt(model_dir: Path, max_tokens: int = 4) -> list[int]:
+    """A prompt that, with ``max_tokens`` generated, fills all :data:`SMALL_CACHE_BLOCKS`."""
+    return long_prompt(model_dir, (SMALL_CACHE_BLOCKS - 1) * 32 - max_tokens, seed=99)
+
+
+def assert_cache_free(engine: EngineProc, model_dir: Path, timeout: float = 120.0) -> None:
+    """Every KV block of ``engine`` (started with ``num_gpu_blocks_override`` =
+    :data:`SMALL_CACHE_BLOCKS`) is free: a request needing all of them completes. A block
+    held by a request that never finished (a leaked producer payload) keeps it waiting."""
+    try:
+        r = engine.generate([whole_cache_prompt(model_dir)], max_tokens=4, timeout=timeout)
+    except TimeoutError:
+        raise AssertionError(
+            "a request needing the whole KV cache did not run: blocks are still held"
+        ) from None
+    assert "error" not in r and len(r["outputs"][0]["token_ids"]) == 4, r
+
+
+def colocated_reference(
+    model_dir: Path, prompts: list[list[int]], max_tokens: int = 16, name: str = "colocated"
+) -> dict[tuple[int, ...], list[int]]:
+    """Greedy tokens of ``prompts`` from a colocated engine (no connector) of the model."""
+    with engines((name, engine_cfg(model_dir))) as (colo,):
+        out = colo.generate(prompts, max_tokens=max_tokens)
+    assert "error" not in out, out
+    return {tuple(p): o["token_ids"] for p, o in zip(prompts, out["outputs"])}
+
+
+def tcp_connected(port: int) -> bool:
+    """Some process on this host holds an established loopback TCP connection to ``port``."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()
+            if len(cols) > 3 and cols[3] == "01" and int(cols[2].rsplit(":", 1)[1], 16) == port:
+                return True
+    return False

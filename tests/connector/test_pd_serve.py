@@ -212,6 +212,21 @@ def test_consumer_exports_prometheus_metrics(servers: Servers) -> None:
             assert re.search(r"^vllm:omnikv_received_bytes_total\{[^}]*\} [1-9]", text, re.M)
             assert re.search(r"^vllm:omnikv_load_seconds_count\{[^}]*\} [1-9]", text, re.M)
             assert "vllm:omnikv_load_failures_total{" in text  # by reason, zero so far
+            # remote hits are labelled p2p by vLLM's own counter, not external_unspecified
+            p2p = re.search(
+                r'^vllm:prompt_tokens_cached_by_source_total\{[^}]*source="p2p"[^}]*\} ([0-9.e+]+)$',
+                text,
+                re.M,
+            )
+            by_source = [ln for ln in text.splitlines() if "cached_by_source_total{" in ln]
+            assert p2p and float(p2p.group(1)) > 0, f"remote hits not labelled p2p: {by_source}"
+            unspec = re.search(
+                r"^vllm:prompt_tokens_cached_by_source_total\{[^}]*"
+                r'source="external_unspecified"[^}]*\} ([0-9.e+]+)$',
+                text,
+                re.M,
+            )
+            assert unspec is None or float(unspec.group(1)) == 0
             ours = [ln for ln in text.splitlines() if "omnikv" in ln]
             (LOG_DIR / "consumer-metrics.txt").write_text("\n".join(ours) + "\n")
             return

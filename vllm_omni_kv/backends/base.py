@@ -86,6 +86,29 @@ class OmniConnectorBase(Closing, ABC):
         stream.close()
         return True
 
+    def extend(
+        self,
+        from_stage: str,
+        to_stage: str,
+        key: str,
+        seconds: float,
+        metadata: dict[str, Any] | None = None,
+    ) -> bool:
+        """Consumer: ask the producer to keep the unconsumed payload under ``key`` at least
+        ``seconds`` longer (from now; the producer may cap it). True when the payload was
+        there and its lease was extended; the default (a backend without payload leases)
+        extends nothing and returns False."""
+        return False
+
+    def held_until(self, from_stage: str, to_stage: str, key: str) -> float | None:
+        """Producer: whether this process still holds the payload it put under ``key``.
+
+        None when it does not (consumed, withdrawn) or the backend cannot tell (the
+        default); else the ``time.monotonic()`` deadline a consumer extended its lease
+        to (``0.0`` when never extended).
+        """
+        return None
+
     @abstractmethod
     def cleanup(self, request_id: str) -> None:
         """Drop any resources still held for ``request_id``."""

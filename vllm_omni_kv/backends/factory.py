@@ -29,6 +29,7 @@ _BUILTIN: dict[str, tuple[str, str]] = {
         "MooncakeStoreConnector",
     ),
     "YuanrongConnector": ("vllm_omni_kv.backends.yuanrong.datasystem", "YuanrongConnector"),
+    "NixlConnector": ("vllm_omni_kv.backends.nixl.connector", "NixlConnector"),
     "YuanrongTransferEngineConnector": (
         "vllm_omni_kv.backends.transfer_engine.yuanrong",
         "YuanrongTransferEngineConnector",
@@ -44,6 +45,25 @@ ALIASES: dict[str, str] = {
     "mooncake_store": "MooncakeStoreConnector",
     "yuanrong": "YuanrongConnector",
     "yuanrong_te": "YuanrongTransferEngineConnector",
+    "nixl": "NixlConnector",
+}
+
+
+#: backends with a ``role`` setting (``sender`` / ``receiver`` / ``dual``), by registered name
+ROLE_BACKENDS: frozenset[str] = frozenset(
+    {"MooncakeTransferEngineConnector", "YuanrongTransferEngineConnector", "NixlConnector"}
+)
+#: the backend role each vLLM ``kv_role`` needs
+ROLE_FOR_KV_ROLE: dict[str, str] = {
+    "kv_producer": "sender",
+    "kv_consumer": "receiver",
+    "kv_both": "dual",
+}
+#: backend roles able to do what a ``kv_role`` asks (send, receive, or both)
+_ROLES_ABLE: dict[str, tuple[str, ...]] = {
+    "kv_producer": ("sender", "dual"),
+    "kv_consumer": ("receiver", "dual"),
+    "kv_both": ("dual",),
 }
 
 
@@ -92,3 +112,24 @@ class OmniConnectorFactory:
     def list_registered_connectors(cls) -> list[str]:
         """List all registered connector names."""
         return sorted(cls._registry)
+
+
+def with_role_for(spec: ConnectorSpec, kv_role: str | None) -> ConnectorSpec:
+    """``spec`` with its ``role`` following vLLM's ``kv_role`` when it has none.
+
+    Only backends in :data:`ROLE_BACKENDS` take a role. An explicit role that cannot do
+    what ``kv_role`` asks (a ``receiver`` in a ``kv_producer``) is a :class:`ConfigError`.
+    """
+    name = OmniConnectorFactory.resolve_name(spec.name)
+    if name not in ROLE_BACKENDS or kv_role is None or kv_role not in ROLE_FOR_KV_ROLE:
+        return spec
+    role = spec.extra.get("role")
+    if role is None:
+        return ConnectorSpec(spec.name, {**spec.extra, "role": ROLE_FOR_KV_ROLE[kv_role]})
+    if role not in _ROLES_ABLE[kv_role]:
+        raise ConfigError(
+            f"backend role {role!r} cannot serve kv_role {kv_role!r}: use "
+            f"{' or '.join(repr(r) for r in _ROLES_ABLE[kv_role])}, or leave 'role' out "
+            f"(it then follows kv_role: {ROLE_FOR_KV_ROLE[kv_role]!r})"
+        )
+    return spec

@@ -3,7 +3,7 @@
 File/dict schema (YAML or JSON)::
 
     default_connector:            # used for every edge not listed below
-      name: SharedMemoryConnector # or an alias: shm, mooncake, mooncake_store, yuanrong
+      name: SharedMemoryConnector # or an alias: shm, mooncake, mooncake_store, yuanrong, nixl
       extra: {shm_threshold_bytes: 65536}
     connectors:                   # optional per-edge overrides
       - from_stage: "0"

@@ -22,12 +22,16 @@ first request. Accepted fields::
     load_threads         background threads receiving payloads (default 2)
     send_ttl             seconds a producer keeps an unconsumed payload (default 300)
     remote_host          host advertised to consumers (default: backend "host" or 127.0.0.1)
-    remote_port          port advertised to consumers (default: backend "zmq_port" or 0)
+    remote_port          port advertised to consumers (default: backend "zmq_port", else the
+                         port the producer's side channel bound, learned at engine start)
     transfer_format      "auto" (default: each layer's blocks as the cache holds them when
                          producer and consumer TP sizes match, else token-major K/V),
                          "paged_blocks" (alias: "raw_blocks") or "token_major"
     max_part_bytes       payloads above this travel as layer-wise parts (0: never; default:
                          one frame over shared memory, 8 MiB parts over other backends)
+    staging_bytes        device memory a producer with a CUDA cache may hold for staging a
+                         request's pages before they go to host memory (default 256 MiB; 0:
+                         read the cache layer by layer instead)
     trusted_producers    producer endpoints a consumer pulls from: a list of "host:port" or
                          "host" (any port), or "*" (any). Default: this host's loopback
                          addresses and remote_host. A request whose kv_transfer_params name
@@ -40,6 +44,11 @@ first request. Accepted fields::
                          I/O): "auto" (default: the CPUs the worker process had before
                          vLLM pinned its main thread), "inherit" (stay on the main
                          thread's pinned core) or a CPU list like "0-3,8"
+    auth_key_file        path of a shared secret (>= 32 bytes, a file only its owner can
+                         access) every stage of the deployment uses: frames and side-channel
+                         messages carry keyed BLAKE2b MACs, and payloads or requests without
+                         a valid MAC are refused. Default: the file named by the environment
+                         variable OMNIKV_AUTH_KEY_FILE, else none (peers not authenticated)
 """
 
 from __future__ import annotations
@@ -50,11 +59,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_omni_kv.backends.factory import OmniConnectorFactory
+from vllm_omni_kv.backends.factory import OmniConnectorFactory, with_role_for
 from vllm_omni_kv.backends.spec import ConnectorSpec, load_omni_transfer_config
 from vllm_omni_kv.connector.affinity import parse_cpu_list
 from vllm_omni_kv.errors import ConfigError
 from vllm_omni_kv.kvcache.cache_layout import layout_name
+from vllm_omni_kv.logger import init_logger
+from vllm_omni_kv.wire.auth import ENV_KEY_FILE, AuthKey, key_from_config
+
+logger = init_logger(__name__)
 
 KNOWN_FIELDS: frozenset[str] = frozenset(
     {
@@ -71,12 +84,24 @@ KNOWN_FIELDS: frozenset[str] = frozenset(
         "load_threads",
         "send_ttl",
         "max_part_bytes",
+        "staging_bytes",
         "remote_host",
         "remote_port",
         "transfer_format",
         "transfer_cpus",
         "kv_cache_layout",
         "trusted_producers",
+        "auth_key_file",
+    }
+)
+#: backends whose peers reach each other over the network (an auth key matters most)
+NETWORK_BACKENDS = frozenset(
+    {
+        "MooncakeTransferEngineConnector",
+        "MooncakeStoreConnector",
+        "YuanrongConnector",
+        "YuanrongTransferEngineConnector",
+        "NixlConnector",
     }
 )
 TRANSFER_FORMATS = ("auto", "paged_blocks", "token_major")
@@ -152,12 +177,15 @@ class OmniKVConfig:
     load_threads: int = 2
     send_ttl: float = 300.0
     max_part_bytes: int | None = None
+    staging_bytes: int = 256 << 20
     remote_host: str = "127.0.0.1"
     remote_port: int = 0
     transfer_format: str = "auto"
     transfer_cpus: str = "auto"
     kv_cache_layout: str | None = None
     trusted_producers: TrustedProducers = field(default_factory=lambda: TrustedProducers(()))
+    #: the shared secret of ``auth_key_file`` (read once, at parse), or None
+    auth: AuthKey | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         tp = self.trusted_producers
@@ -168,6 +196,17 @@ class OmniKVConfig:
     @property
     def backend_name(self) -> str:
         return OmniConnectorFactory.resolve_name(self.backend.name)
+
+    def log_trust(self) -> None:
+        """At connector start: say when a network backend runs without an auth key."""
+        if self.auth is None and self.backend_name in NETWORK_BACKENDS:
+            logger.warning(
+                "OmniKVConnector: backend %s runs without an auth key, so peers are not "
+                "authenticated (anyone who reaches its ports can send or fetch KV); set "
+                "kv_connector_extra_config.auth_key_file or %s on every stage",
+                self.backend_name,
+                ENV_KEY_FILE,
+            )
 
 
 def _positive_float(raw: Mapping[str, Any], name: str, default: float) -> float:
@@ -212,6 +251,15 @@ def _part_bytes(raw: Mapping[str, Any]) -> int | None:
     return value
 
 
+def _staging_bytes(raw: Mapping[str, Any]) -> int:
+    value = raw.get("staging_bytes", 256 << 20)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(
+            f"{_WHERE}.staging_bytes must be an int >= 0 (0: no device staging), got {value!r}"
+        )
+    return value
+
+
 def _stage(raw: Mapping[str, Any], name: str, default: str) -> str:
     value = raw.get(name, default)
     if isinstance(value, bool) or not isinstance(value, (str, int)) or str(value) == "":
@@ -219,7 +267,17 @@ def _stage(raw: Mapping[str, Any], name: str, default: str) -> str:
     return str(value)
 
 
-def _backend_spec(raw: Mapping[str, Any], from_stage: str, to_stage: str) -> ConnectorSpec:
+def _backend_spec(
+    raw: Mapping[str, Any], from_stage: str, to_stage: str, kv_role: str | None = None
+) -> ConnectorSpec:
+    """The backend of the edge; a Mooncake/Yuanrong TE ``role`` left out follows ``kv_role``."""
+    try:
+        return with_role_for(_edge_backend(raw, from_stage, to_stage), kv_role)
+    except ConfigError as e:
+        raise ConfigError(f"{_WHERE}.backend_extra.role: {e}") from None
+
+
+def _edge_backend(raw: Mapping[str, Any], from_stage: str, to_stage: str) -> ConnectorSpec:
     if raw.get("omni_transfer_config") is not None:
         src = raw["omni_transfer_config"]
         try:
@@ -252,8 +310,11 @@ def _backend_spec(raw: Mapping[str, Any], from_stage: str, to_stage: str) -> Con
     return ConnectorSpec(backend, dict(extra))
 
 
-def parse_omni_kv_config(raw: Mapping[str, Any] | None) -> OmniKVConfig:
-    """Validate ``kv_connector_extra_config``; raise :class:`ConfigError` naming the field."""
+def parse_omni_kv_config(raw: Mapping[str, Any] | None, kv_role: str | None = None) -> OmniKVConfig:
+    """Validate ``kv_connector_extra_config``; raise :class:`ConfigError` naming the field.
+
+    ``kv_role``: vLLM's ``kv_role`` (``kv_producer``...), the default backend role.
+    """
     raw = dict(raw or {})
     unknown = sorted(set(raw) - KNOWN_FIELDS)
     if unknown:
@@ -263,7 +324,7 @@ def parse_omni_kv_config(raw: Mapping[str, Any] | None) -> OmniKVConfig:
         )
     from_stage = _stage(raw, "omni_from_stage", "prefill")
     to_stage = _stage(raw, "omni_to_stage", "decode")
-    spec = _backend_spec(raw, from_stage, to_stage)
+    spec = _backend_spec(raw, from_stage, to_stage, kv_role)
     resolved = OmniConnectorFactory.resolve_name(spec.name)
     if resolved not in OmniConnectorFactory.list_registered_connectors():
         raise ConfigError(
@@ -315,7 +376,14 @@ def parse_omni_kv_config(raw: Mapping[str, Any] | None) -> OmniKVConfig:
             layout = layout_name(layout)
         except ConfigError as e:
             raise ConfigError(f"{_WHERE}.kv_cache_layout: {e}") from None
+    try:
+        auth = key_from_config(raw.get("auth_key_file"))
+    except ConfigError as e:
+        raise ConfigError(f"{_WHERE}.auth_key_file: {e}") from None
+    if auth is not None:  # the backend authenticates its side channel with the same key
+        spec = ConnectorSpec(spec.name, {**spec.extra, "auth_key": auth})
     return OmniKVConfig(
+        auth=auth,
         backend=spec,
         kv_cache_layout=layout,
         trusted_producers=TrustedProducers.parse(raw.get("trusted_producers")),
@@ -331,6 +399,7 @@ def parse_omni_kv_config(raw: Mapping[str, Any] | None) -> OmniKVConfig:
         load_threads=load_threads,
         send_ttl=_positive_float(raw, "send_ttl", 300.0),
         max_part_bytes=_part_bytes(raw),
+        staging_bytes=_staging_bytes(raw),
         remote_host=host,
         remote_port=port,
     )

@@ -75,14 +75,16 @@ class DiscardSpec:
 
 @dataclass
 class OmniKVConnectorMetadata(KVConnectorMetadata):
-    """Scheduler -> worker: this step's saves, loads and discards."""
+    """Scheduler -> worker: this step's saves, loads, discards and lease extensions."""
 
     saves: list[SaveSpec] = field(default_factory=list)
     loads: list[LoadSpec] = field(default_factory=list)
     discards: list[DiscardSpec] = field(default_factory=list)
+    # remote payloads of requests still waiting here: extend their producer-side leases
+    extends: list[DiscardSpec] = field(default_factory=list)
 
     def is_empty(self) -> bool:
-        return not (self.saves or self.loads or self.discards)
+        return not (self.saves or self.loads or self.discards or self.extends)
 
 
 @dataclass

@@ -20,13 +20,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from vllm_omni_kv.connector.config import OmniKVConfig, parse_omni_kv_config
+from vllm_omni_kv.connector.handshake import advertise, worker_handshake
 from vllm_omni_kv.connector.metadata import OmniKVConnectorMetadata
 from vllm_omni_kv.connector.scheduler import OmniKVScheduler
 from vllm_omni_kv.connector.stats import OmniKVConnectorStats
@@ -52,6 +55,10 @@ if TYPE_CHECKING:
 class OmniKVConnector(KVConnectorBase_V1):
     """Prefill/decode KV transfer through shared memory, Mooncake TE or any omni backend."""
 
+    # Every external hit is KV handed over by a peer stage: vLLM's
+    # vllm:prompt_tokens_cached_by_source counts them under source="p2p".
+    _cache_hit_source = CacheHitSource.P2P
+
     def __init__(
         self,
         vllm_config: VllmConfig,
@@ -60,7 +67,9 @@ class OmniKVConnector(KVConnectorBase_V1):
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)  # type: ignore[arg-type]
         ktc = self._kv_transfer_config
-        self.omni_config: OmniKVConfig = parse_omni_kv_config(ktc.kv_connector_extra_config)
+        self.omni_config: OmniKVConfig = parse_omni_kv_config(
+            ktc.kv_connector_extra_config, ktc.kv_role
+        )
         engine_id = str(ktc.engine_id)
         self._sched: OmniKVScheduler | None = None
         self._worker: OmniKVWorker | None = None
@@ -133,6 +142,9 @@ class OmniKVConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_half.take_invalid_block_ids()
 
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        return worker_handshake(self.worker_half.session.backend)
+
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         return self.worker_half.take_worker_meta()
 
@@ -169,6 +181,12 @@ class OmniKVConnector(KVConnectorBase_V1):
         return OmniKVConnectorStats(data=dict(data or {}))
 
     # -- scheduler side --------------------------------------------------------------------
+    def set_xfer_handshake_metadata(
+        self, metadata: dict[int, KVConnectorHandshakeMetadata]
+    ) -> None:
+        # the side-channel endpoint the workers bound, advertised in kv_transfer_params
+        self.scheduler_half.cfg = advertise(self.scheduler_half.cfg, dict(metadata))
+
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
         self.scheduler_half.kv_cache_manager = kv_cache_manager

@@ -25,6 +25,11 @@ _COUNTERS = {
     "bytes_received": ("vllm:omnikv_received_bytes", "KV bytes loaded by this consumer"),
     "num_recvs": ("vllm:omnikv_loads", "Successful KV loads"),
     "tokens_received": ("vllm:omnikv_loaded_tokens", "Prompt tokens loaded instead of computed"),
+    "leases_expired": (
+        "vllm:omnikv_leases_expired",
+        "Unconsumed payloads a producer withdrew because their lease (send_ttl, or a "
+        "consumer's extension) ran out",
+    ),
 }
 
 

@@ -13,11 +13,15 @@ Protocol (NIXL's, so existing proxies and routers work unchanged):
   ``finished_recving`` (and its blocks as invalid when the load failed, so vLLM
   recomputes or fails it according to ``kv_load_failure_policy``). When every
   block but the last is cached locally, nothing is loaded: the consumer computes
-  the rest itself and tells the producer to release its payload.
+  the rest itself and tells the producer to release its payload. While such a
+  request waits for blocks, the scheduler asks the worker every
+  ``extend_every(send_ttl)`` seconds to extend its payload's lease at the producer
+  (see :mod:`.send_leases`), so a long queue does not let it expire.
 """
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 from vllm_omni_kv.connector.config import OmniKVConfig
@@ -30,6 +34,7 @@ from vllm_omni_kv.connector.metadata import (
     prompt_digest,
     transfer_id,
 )
+from vllm_omni_kv.connector.send_leases import extend_every
 from vllm_omni_kv.logger import init_logger
 
 if TYPE_CHECKING:
@@ -79,6 +84,9 @@ class OmniKVScheduler:
         self._discards: list[DiscardSpec] = []
         # consumer: requests served from the local prefix cache (payload released, not pulled)
         self._local_hits: set[str] = set()
+        # consumer: requests that wait for blocks, whose payload leases are extended
+        self._waiting: dict[str, DiscardSpec] = {}
+        self._next_extend = 0.0
 
     # -- helpers ------------------------------------------------------------------------
     @staticmethod
@@ -118,16 +126,17 @@ class OmniKVScheduler:
             return tid
         return transfer_id(str(params["remote_engine_id"]), str(params["remote_request_id"]))
 
-    def _discard(self, request: Request, params: dict[str, Any]) -> None:
-        self._discards.append(
-            DiscardSpec(
-                req_id=request.request_id,
-                transfer_id=self._remote_tid(params),
-                source_tp_size=_int_or_none(params.get("tp_size")),
-                remote_host=params.get("remote_host"),
-                remote_port=_int_or_none(params.get("remote_port")),
-            )
+    def _remote(self, request: Request, params: dict[str, Any]) -> DiscardSpec:
+        return DiscardSpec(
+            req_id=request.request_id,
+            transfer_id=self._remote_tid(params),
+            source_tp_size=_int_or_none(params.get("tp_size")),
+            remote_host=params.get("remote_host"),
+            remote_port=_int_or_none(params.get("remote_port")),
         )
+
+    def _discard(self, request: Request, params: dict[str, Any]) -> None:
+        self._discards.append(self._remote(request, params))
 
     # -- vLLM scheduler-side API ----------------------------------------------------------
     def on_new_request(self, request: Request) -> None:
@@ -145,6 +154,8 @@ class OmniKVScheduler:
             return 0, False
         count = int(request.num_prompt_tokens) - int(num_computed_tokens)
         if count > self.block_size:
+            if request.request_id not in self._waiting:  # until its blocks are allocated
+                self._waiting[request.request_id] = self._remote(request, params)
             return count, True
         # A full local hit: vLLM recomputes at least the prompt's last token, so what is
         # missing lies in the last block; computing it here is cheaper than a transfer,
@@ -154,6 +165,7 @@ class OmniKVScheduler:
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
+        self._waiting.pop(request.request_id, None)
         params = self._wants_remote_prefill(request)
         if params is None or not self.is_consumer:
             return
@@ -188,6 +200,9 @@ class OmniKVScheduler:
         meta = OmniKVConnectorMetadata(loads=self._new_loads, discards=self._discards)
         self._new_loads = []
         self._discards = []
+        if self._waiting and (now := time.monotonic()) >= self._next_extend:
+            meta.extends = list(self._waiting.values())
+            self._next_extend = now + extend_every(self.cfg.send_ttl)
         if self._to_save:
             block_state = getattr(scheduler_output, "kv_connector_block_state", None)
             for req_id, n_sched in scheduler_output.num_scheduled_tokens.items():
@@ -230,6 +245,7 @@ class OmniKVScheduler:
 
         req_id = request.request_id
         self._to_save.pop(req_id, None)
+        self._waiting.pop(req_id, None)
         spec = self._saved.pop(req_id, None)
         if spec is not None:
             # The worker reports every saved request in finished_sending once it is

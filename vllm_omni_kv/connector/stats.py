@@ -25,6 +25,7 @@ COUNTERS: tuple[str, ...] = (
     "num_recv_timeouts",
     "num_recv_cancelled",
     "num_recv_refused",
+    "leases_expired",
 )
 #: per-load samples of one interval (for histograms), at most MAX_SAMPLES each
 SAMPLES: tuple[str, ...] = ("load_seconds", "load_bytes")
@@ -51,7 +52,7 @@ def _zero() -> dict[str, Any]:
 @dataclass
 class OmniKVConnectorStats(KVConnectorStats):
     """Bytes, transfers, seconds and failures (by reason) per direction, per-load samples,
-    and the payloads a producer holds."""
+    the payloads a producer holds and those it withdrew when their lease expired."""
 
     data: dict[str, Any] = field(default_factory=dict)
 
@@ -88,7 +89,13 @@ class OmniKVConnectorStats(KVConnectorStats):
         if key is not None:
             self.data[key] += 1
 
+    def record_leases_expired(self, n: int) -> None:
+        """``n`` unconsumed payloads were withdrawn because their lease ran out."""
+        self.data["leases_expired"] += int(n)
+
     def set_held(self, payloads: int) -> None:
+        # a change is reported even in an otherwise empty interval (a drop to 0 included)
+        self.data["held_changed"] = int(payloads) != self.data.get("payloads_held", 0)
         self.data["payloads_held"] = int(payloads)
 
     def reset(self) -> None:
@@ -126,7 +133,7 @@ class OmniKVConnectorStats(KVConnectorStats):
         return out
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(k) for k in COUNTERS + GAUGES)
+        return not any(self.data.get(k) for k in (*COUNTERS, *GAUGES, "held_changed"))
 
     def take(self) -> OmniKVConnectorStats | None:
         """A copy of one interval's counters and samples (None when empty), then reset

@@ -6,7 +6,8 @@ layers' blocks as the cache holds them) or token-major (heterogeneous TP or
 ``transfer_format``), gathered lazily straight into the backend's buffer (one
 copy). Each frame is verified per paged block, so a consumer can check exactly
 the blocks it reads. The request is reported in ``finished_sending`` once vLLM
-says it finished.
+says it finished. Payloads live by leases (:mod:`.send_leases`): withdrawn by a
+timer ``send_ttl`` after sending unless a waiting consumer extended them.
 
 Receive (consumer): ``start_load_kv`` hands each load to a background thread.
 The session polls the backend until the payload is there (bounded by
@@ -23,7 +24,6 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -44,6 +44,7 @@ from vllm_omni_kv.connector.metadata import (
     SaveSpec,
 )
 from vllm_omni_kv.connector.receive import LayerCache, layer_caches, receive, token_caches
+from vllm_omni_kv.connector.send_leases import SendLeases, extend_payload
 from vllm_omni_kv.connector.stats import OmniKVConnectorStats
 from vllm_omni_kv.errors import (
     ConfigError,
@@ -52,10 +53,12 @@ from vllm_omni_kv.errors import (
     KVTransferTimeout,
     OmniKVError,
 )
+from vllm_omni_kv.kvcache.device_staging import DeviceStager
 from vllm_omni_kv.kvcache.kv_utils import KVTPTopology, get_local_tp_rank, get_tp_world_size
 from vllm_omni_kv.kvcache.paged_blocks import extract_request_blocks
 from vllm_omni_kv.kvcache.token_major import extract_request_kv
 from vllm_omni_kv.logger import init_logger
+from vllm_omni_kv.transfer.parts import split_payload
 from vllm_omni_kv.transfer.session import SessionPolicy, TransferSession, sender_endpoint
 from vllm_omni_kv.wire.payload import KVCacheTransferData
 
@@ -131,7 +134,8 @@ class OmniKVWorker:
         policy = SessionPolicy(
             cfg.poll_interval, cfg.max_poll_interval, max_part_bytes=cfg.max_part_bytes
         )
-        self.session = TransferSession(backend, cfg.from_stage, cfg.to_stage, policy)
+        self.session = TransferSession(backend, cfg.from_stage, cfg.to_stage, policy, auth=cfg.auth)
+        cfg.log_trust()
         self.layers: list[LayerCache] = []
         self.paged_blocks = False
         self.stats = OmniKVConnectorStats()
@@ -149,9 +153,11 @@ class OmniKVWorker:
         self._sent_unreported: set[str] = set()
         self._invalid_blocks: set[int] = set()
         self._worker_meta: dict[str, dict[str, Any]] = {}
-        self._sent_keys: deque[tuple[float, str]] = deque()
+        self._leases = SendLeases(self.session, cfg.send_ttl)  # payloads sent, until send_ttl
+        self._expired_seen = 0
         self._closed = False
         self._held_checked = 0.0
+        self._stager: DeviceStager | None = None  # CUDA caches: one staging buffer per device
 
     # -- setup ---------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -171,6 +177,9 @@ class OmniKVWorker:
                 "K/V view, which token-major transfers (different TP sizes, or "
                 "transfer_format 'token_major') need: use equal TP sizes and 'auto'"
             )
+        dev = self.layers[0].cache.device if self.layers else None
+        if dev is not None and dev.type == "cuda" and self.paged_blocks and self.cfg.staging_bytes:
+            self._stager = DeviceStager(dev, self.cfg.staging_bytes)
         if self.layers:
             ident = self.layers[0].ident
             logger.info(
@@ -205,6 +214,7 @@ class OmniKVWorker:
                 [x.cache for x in self.layers],
                 layout=ident,
                 metadata=md,
+                stager=self._stager,
             )
             return data, ident.page_bytes
         data = extract_request_kv(
@@ -224,7 +234,7 @@ class OmniKVWorker:
             for key in self.session.send_keys(spec.transfer_id, topo):
                 data, chunk = self._payload(spec)
                 total += self.session.send(key, data, chunk_bytes=chunk)
-                self._sent_keys.append((time.monotonic(), key))
+                self._leases.add(key, len(split_payload(data, self.session.part_limit())))
         except Exception as e:  # the consumer will time out and recompute
             self.stats.record_send(0, 0.0, ok=False)
             logger.error(
@@ -245,23 +255,12 @@ class OmniKVWorker:
             dt * 1e3,
         )
 
-    def _expire_sent(self) -> None:
-        deadline = time.monotonic() - self.cfg.send_ttl
-        while self._sent_keys and self._sent_keys[0][0] < deadline:
-            _, key = self._sent_keys.popleft()
-            try:
-                self.session.backend.cleanup(key)
-            except Exception as e:
-                logger.debug("cleanup of %s failed: %s", key, e)
-
     def wait_for_save(self, meta: OmniKVConnectorMetadata | None) -> None:
         if meta is not None and meta.saves:
             for spec in meta.saves:
                 self._send(spec)
                 with self._lock:
                     self._sent_unreported.add(spec.req_id)
-        if self._sent_keys:
-            self._expire_sent()
 
     # -- receive -------------------------------------------------------------------------
     def start_load_kv(self, meta: OmniKVConnectorMetadata | None, idle_step: bool = False) -> None:
@@ -271,6 +270,8 @@ class OmniKVWorker:
         now = time.monotonic()
         for d in meta.discards:
             self._pool.submit(self._discard, d)
+        for d in meta.extends:
+            self._pool.submit(self._extend, d)
         for spec in meta.loads:
             cancel = threading.Event()
             fut = self._pool.submit(self._load, spec, now + self.cfg.recv_timeout, cancel)
@@ -360,6 +361,17 @@ class OmniKVWorker:
                     logger.debug("request %s is fully cached here: released %s", d.req_id, key)
         except Exception as e:  # best effort: the producer expires it after send_ttl
             logger.debug("discarding the payload of %s: %s", d.req_id, e)
+
+    def _extend(self, d: DiscardSpec) -> None:
+        """A request waiting here for blocks: extend its payload's lease at the producer."""
+        try:
+            topo = self._topology(d.source_tp_size)
+            for key, from_rank in self.session.recv_keys(d.transfer_id, topo):
+                ep = sender_endpoint(d.remote_host, d.remote_port, from_rank)
+                if extend_payload(self.session, key, ep, self.cfg.send_ttl):
+                    logger.debug("request %s waits: extended the lease of %s", d.req_id, key)
+        except Exception as e:  # best effort: without it the payload expires after send_ttl
+            logger.debug("extending the payload lease of %s: %s", d.req_id, e)
 
     # -- completion ----------------------------------------------------------------------
     def _cancel_finished(self, finished_req_ids: set[str]) -> bool:
@@ -456,6 +468,11 @@ class OmniKVWorker:
                 self.stats.set_held(int(health.get("unconsumed", health.get("exposed_keys", 0))))
             except Exception as e:
                 logger.debug("backend health for the held-payload gauge: %s", e)
+        expired, self._expired_seen = (
+            self._leases.expired - self._expired_seen,
+            self._leases.expired,
+        )
+        self.stats.record_leases_expired(expired)
         return self.stats.take()
 
     def shutdown(self) -> None:
@@ -467,6 +484,9 @@ class OmniKVWorker:
             for _fut, cancel in self._inflight.values():
                 cancel.set()
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._leases.close()
+        if self._stager is not None:
+            self._stager.close()
         try:
             self.session.backend.close()
         except Exception as e:

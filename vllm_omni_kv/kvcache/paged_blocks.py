@@ -38,6 +38,7 @@ from vllm_omni_kv.kvcache.cache_layout import (
     logical_from_pages,
     page_view,
 )
+from vllm_omni_kv.kvcache.device_staging import DeviceStager
 from vllm_omni_kv.kvcache.meta import PAGED_BLOCKS, TOKEN_MAJOR, PayloadMeta
 from vllm_omni_kv.wire.codec import PACK_STEP, LazyTensor
 from vllm_omni_kv.wire.payload import KVCacheTransferData
@@ -129,9 +130,15 @@ def extract_request_blocks(
     *,
     layout: LayoutArg = None,
     metadata: dict[str, Any] | None = None,
+    stager: DeviceStager | None = None,
 ) -> KVCacheTransferData:
     """A paged-blocks payload of the blocks holding ``num_tokens`` tokens (lazy: one copy at
-    pack time). ``kv_caches`` are vLLM's per-layer 4-D views; ``layout`` their identity."""
+    pack time). ``kv_caches`` are vLLM's per-layer 4-D views; ``layout`` their identity.
+
+    With ``stager`` (a cache on its device) the pages of every layer are gathered at once
+    into its staging buffer, ordered after the current stream's work, and packing copies
+    them out of it; without one, or when the request does not fit, packing reads the cache.
+    """
     first = next((c for c in kv_caches if c is not None), None)
     if first is None:
         raise KVPayloadError(f"request {request_id}: no layer has a KV cache")
@@ -147,14 +154,23 @@ def extract_request_blocks(
     nblocks = int(first.shape[0]) // ident.ratio
     if min(ids) < 0 or max(ids) >= nblocks:
         raise KVPayloadError(f"request {request_id}: block id out of range [0, {nblocks})")
-    layers: list[Any] = []
+    views: list[torch.Tensor | None] = []
     for i, cache in enumerate(kv_caches):
-        if cache is None:
+        if cache is not None:
+            check_view(cache, ident, f"layer {i}")
+        views.append(None if cache is None else page_view(cache, ident))
+    staged = (
+        stager.gather(views, ids) if stager is not None and stager.device == first.device else None
+    )
+    layers: list[Any] = []
+    for i, pv in enumerate(views):
+        if pv is None:
             layers.append(None)
             continue
-        check_view(cache, ident, f"layer {i}")
-        fill = functools.partial(iter_gather_pages, page_view(cache, ident), ids)
-        layers.append(LazyTensor((needed, *ident.page_shape), cache.dtype, fill, cache.device))
+        fill: Callable[[torch.Tensor], Iterator[int]] = (
+            functools.partial(iter_gather_pages, pv, ids) if staged is None else staged.fill(i)
+        )
+        layers.append(LazyTensor((needed, *ident.page_shape), pv.dtype, fill, pv.device))
     meta = PayloadMeta(PAGED_BLOCKS, int(num_tokens), bs, needed * bs, len(layers), ident)
     return KVCacheTransferData(
         request_id, {KV_BLOCKS: layers}, ids, meta.to_dict(**(metadata or {}))

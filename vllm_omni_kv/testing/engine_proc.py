@@ -47,6 +47,7 @@ LLM_KEYS: dict[str, Any] = {
     "max_num_batched_tokens": 8192,
     "enable_prefix_caching": None,  # vLLM's default
     "tensor_parallel_size": 1,
+    "num_gpu_blocks_override": None,  # a small KV cache (leak checks fill all of it)
 }
 
 

@@ -25,7 +25,9 @@ class OmniKVCacheConfig:
     ``DEFAULT_MAX_PART_BYTES``).
     ``poll_interval`` is the first wait between receive polls and
     ``max_poll_interval`` the cap of their doubling backoff (seconds; the same
-    meaning as in the vLLM connector's config).
+    meaning as in the vLLM connector's config). ``auth_key_file``: the shared secret
+    (see :mod:`vllm_omni_kv.wire.auth`; default the file named by
+    ``OMNIKV_AUTH_KEY_FILE``, else none): frames and side-channel messages carry MACs.
     """
 
     connector_config: dict[str, Any] | None = None
@@ -44,6 +46,7 @@ class OmniKVCacheConfig:
     max_part_bytes: int | None = None
     poll_interval: float = 0.001
     max_poll_interval: float = 0.02
+    auth_key_file: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -100,6 +103,7 @@ def config_from_omni_kv(kv: Any, stage_id: Any = None) -> OmniKVCacheConfig:
         max_part_bytes=_opt_int(field_of(kv, "max_part_bytes")),
         poll_interval=float(field_of(kv, "poll_interval", 0.001)),
         max_poll_interval=float(field_of(kv, "max_poll_interval", 0.02)),
+        auth_key_file=field_of(kv, "auth_key_file"),
     )
 
 

@@ -38,6 +38,7 @@ from vllm_omni_kv.transfer import distributed
 from vllm_omni_kv.transfer.kv_config import OmniKVCacheConfig, config_from_omni_kv, field_of
 from vllm_omni_kv.transfer.parts import part_layer_count
 from vllm_omni_kv.transfer.session import SessionPolicy, TransferSession, sender_endpoint
+from vllm_omni_kv.wire.auth import key_from_config
 from vllm_omni_kv.wire.payload import KVCacheTransferData
 
 logger = init_logger(__name__)
@@ -56,6 +57,8 @@ class OmniKVTransferManager:
         self.connector_error: BaseException | None = None
         self._lock = threading.Lock()
         self._sender_base: tuple[str, int] | None = None
+        #: the shared secret (read once, here); None without one
+        self.auth = key_from_config(config.auth_key_file)
         recv_from = (
             config.engine_input_source[0] if config.engine_input_source else config.from_stage
         )
@@ -116,6 +119,8 @@ class OmniKVTransferManager:
                     "no connector configured: set connector_config={'type': 'SharedMemoryConnector', ...}"
                 )
             cc = dict(cc)
+            if self.auth is not None:  # the backend's side channel uses the same key
+                cc.setdefault("auth_key", self.auth)
             name = cc.pop("type", None) or cc.pop("name", None)
             if not name:
                 raise ConfigError("connector_config.type is missing (e.g. 'SharedMemoryConnector')")
@@ -180,6 +185,7 @@ class OmniKVTransferManager:
             policy,
             send_key_hook=self.kv_send_key_builder,
             recv_key_hook=self.kv_recv_key_builder,
+            auth=self.auth,
         )
 
     # -- send side --------------------------------------------------------------------------

@@ -40,6 +40,7 @@ from vllm_omni_kv.transfer.parts import (
     send_parts,
 )
 from vllm_omni_kv.wire import codec
+from vllm_omni_kv.wire.auth import AuthKey
 from vllm_omni_kv.wire.stream import PayloadStream, check_cancel
 
 logger = init_logger(__name__)
@@ -104,8 +105,12 @@ class TransferSession:
         *,
         send_key_hook: Callable | None = None,
         recv_key_hook: Callable | None = None,
+        auth: AuthKey | None = None,
     ) -> None:
+        """``auth``: the shared key; frames sent carry its MACs and every stream
+        received is authenticated with it (without it, keyed frames are refused)."""
         self.backend = backend
+        self.auth = auth
         self.from_stage = str(from_stage)
         self.to_stage = str(to_stage)
         self.policy = policy or SessionPolicy()
@@ -144,7 +149,7 @@ class TransferSession:
 
         def put(part_key: str, part: Any) -> bool:
             nonlocal total
-            total += self._put(part_key, codec.encode(part, chunk_bytes=chunk_bytes))
+            total += self._put(part_key, codec.encode(part, chunk_bytes, self.auth))
             return True
 
         send_parts(put, key, data, self.part_limit())
@@ -194,6 +199,11 @@ class TransferSession:
             except KVTransferError as e:  # the backend's own wait ran out, a peer is slow...
                 stream, last_err = None, f"{type(e).__name__}: {e}"
             if stream is not None:
+                try:
+                    stream.authenticate(self.auth)
+                except BaseException:
+                    stream.close()
+                    raise
                 return stream
             left = deadline - time.monotonic()
             if left <= 0:

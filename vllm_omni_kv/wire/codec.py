@@ -22,6 +22,15 @@ prelude checksum (``checksum_alg == 1``) covers prelude, header and trailer, so
 a reader verifies exactly the chunks it reads. Frames packed on an accelerator
 (or with ``checksum=False``) carry ``checksum_alg == 0`` and no digests: their
 transports (RDMA, NVLink) have their own integrity checks.
+
+A frame packed with an auth key (:mod:`.auth`) sets ``FLAG_MAC`` in the prelude
+and always carries digests; its trailer continues with a 16-byte keyed BLAKE2b
+tag per chunk and a 32-byte keyed BLAKE2b MAC over prelude, header, digests and
+tags (the prelude checksum covers those too)::
+
+    trailer_start + 8 * digests    chunk tags, 16 bytes each
+    head_mac_start                 head MAC, 32 bytes
+    total = head_mac_start + 32
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ import msgpack
 import torch
 
 from vllm_omni_kv.errors import KVPayloadError
+from vllm_omni_kv.wire.auth import AuthKey, head_mac
 from vllm_omni_kv.wire.digests import ChunkMap, ChunkWriter, head_digest
 from vllm_omni_kv.wire.prelude import (
     ALIGN,
@@ -45,6 +55,8 @@ from vllm_omni_kv.wire.prelude import (
     CHECKSUM_OFFSET,
     CHECKSUM_XXH3,
     DIGEST_SIZE,
+    FLAG_MAC,
+    HEAD_MAC_SIZE,
     MAGIC,
     MAX_CHUNK,
     MAX_HEADER,
@@ -52,6 +64,7 @@ from vllm_omni_kv.wire.prelude import (
     PACK_STEP,
     PRELUDE,
     PRELUDE_SIZE,
+    TAG_SIZE,
     VERSION,
     Prelude,
     align_up,
@@ -64,6 +77,7 @@ from vllm_omni_kv.wire.unpack import (
     EXT_BLOB,
     EXT_TENSOR,
     FrameInfo,
+    authenticate_frame,
     decode,
     decode_tensor,
     materialize,
@@ -91,6 +105,7 @@ __all__ = [
     "Frame",
     "LazyTensor",
     "align_up",
+    "authenticate_frame",
     "decode",
     "decode_tensor",
     "encode",
@@ -136,10 +151,14 @@ class Frame:
 
     ``chunk_bytes`` (default :data:`PACK_STEP`) is the size of one digested chunk;
     a caller that reads whole paged blocks passes the bytes of one block, so a
-    block range is exactly a run of chunks.
+    block range is exactly a run of chunks. With ``auth`` the frame is keyed: it
+    always carries digests (``checksum=False`` is ignored) plus chunk tags and a MAC.
     """
 
-    def __init__(self, obj: Any, chunk_bytes: int | None = None) -> None:
+    def __init__(
+        self, obj: Any, chunk_bytes: int | None = None, auth: AuthKey | None = None
+    ) -> None:
+        self.auth = auth
         self.chunk_bytes = PACK_STEP if chunk_bytes is None else int(chunk_bytes)
         if not MIN_CHUNK <= self.chunk_bytes <= MAX_CHUNK:
             raise KVPayloadError(
@@ -182,10 +201,13 @@ class Frame:
             self.chunk_bytes,
             self.data_start + self.data_len,
         )
+        count = self.chunks.count
+        macs = (TAG_SIZE * count + HEAD_MAC_SIZE) if auth is not None else 0
         #: size of the frame with its digest trailer (what ``pack_into`` writes by default)
-        self.nbytes = self.data_start + self.data_len + DIGEST_SIZE * self.chunks.count
-        #: size of the frame packed with ``checksum=False`` (no trailer)
-        self.plain_nbytes = self.data_start + self.data_len
+        self.nbytes = self.data_start + self.data_len + DIGEST_SIZE * count + macs
+        #: size of the frame packed with ``checksum=False`` (no trailer; a keyed frame
+        #: always has its trailer)
+        self.plain_nbytes = self.nbytes if auth is not None else self.data_start + self.data_len
 
     def _prepare(self, obj: Any) -> Any:
         if isinstance(obj, (torch.Tensor, LazyTensor)):
@@ -211,8 +233,9 @@ class Frame:
     # -- packing -----------------------------------------------------------------
     def _write_head(self, mv: memoryview, alg: int) -> None:
         digests = self.chunks.count if alg == CHECKSUM_XXH3 else 0
+        flags = FLAG_MAC if self.auth is not None and alg == CHECKSUM_XXH3 else 0
         PRELUDE.pack_into(
-            mv, 0, MAGIC, VERSION, alg, 0, len(self.header), self.data_len, 0, digests
+            mv, 0, MAGIC, VERSION, alg, flags, len(self.header), self.data_len, 0, digests
         )
         h_end = PRELUDE_SIZE + len(self.header)
         mv[PRELUDE_SIZE:h_end] = self.header
@@ -233,6 +256,7 @@ class Frame:
         its digest in the trailer already, so a reader may verify and use it at once;
         the last is the frame's size, yielded after the checksum is in place.
         """
+        checksum = checksum or self.auth is not None
         size = self.nbytes if checksum else self.plain_nbytes
         mv = memoryview(buf).cast("B")
         if mv.readonly:
@@ -243,7 +267,13 @@ class Frame:
         self._write_head(mv, alg)
         yield self.data_start
         base = self.data_start
-        writer = ChunkWriter(mv, self.chunk_bytes, base + self.data_len) if checksum else None
+        flags = FLAG_MAC if self.auth is not None else 0
+        p = Prelude(alg, len(self.header), self.data_len, 0, self.chunks.count, flags)
+        writer = (
+            ChunkWriter(mv, self.chunk_bytes, p.trailer_start, self.auth, p.tags_start)
+            if checksum
+            else None
+        )
         # copy steps end on chunk boundaries when chunks are small, so each is hashed whole
         c = self.chunk_bytes
         step = c * (PACK_STEP // c) if c <= PACK_STEP else PACK_STEP
@@ -264,7 +294,9 @@ class Frame:
             if end > base + off + nbytes:  # padding: covered by no digest
                 mv[base + off + nbytes : end] = bytes(end - base - off - nbytes)
         if checksum:
-            p = Prelude(alg, len(self.header), self.data_len, 0, self.chunks.count)
+            if self.auth is not None:  # before the checksum, which covers it
+                mac = head_mac(mv, p, self.auth)
+                mv[p.head_mac_start : p.head_mac_start + HEAD_MAC_SIZE] = mac
             # only the checksum field: a reader may be parsing the rest of the prelude
             struct.pack_into("<Q", mv, CHECKSUM_OFFSET, head_digest(mv, p))
         yield size
@@ -280,10 +312,10 @@ class Frame:
         On an accelerator the frame carries no checksum and no digests.
         """
         dev = torch.device(device) if device is not None else self._default_device()
-        if dev.type == "cpu":
+        if dev.type == "cpu" or self.auth is not None:  # keyed frames are packed on the host
             out = torch.empty(self.nbytes, dtype=torch.uint8)
             self.pack_into(out.numpy())
-            return out
+            return out.to(dev)
         out = torch.zeros(self.plain_nbytes, dtype=torch.uint8, device=dev)
         host = bytearray(self.data_start)
         self._write_head(memoryview(host), CHECKSUM_NONE)
@@ -365,15 +397,16 @@ def _fill(src: TensorLike, dst: torch.Tensor) -> None:
         dst.copy_(src)
 
 
-def encode(obj: Any, chunk_bytes: int | None = None) -> Frame:
+def encode(obj: Any, chunk_bytes: int | None = None, auth: AuthKey | None = None) -> Frame:
     """Lay out ``obj`` as a frame (no bytes are copied until ``pack_into``).
 
     Accepts a ``Frame`` (returned as is), an object with ``to_dict()`` such as
     ``KVCacheTransferData``, or any tree of tensors/bytes/plain values.
-    ``chunk_bytes`` is the bytes covered by one digest (default :data:`PACK_STEP`).
+    ``chunk_bytes`` is the bytes covered by one digest (default :data:`PACK_STEP`);
+    ``auth`` keys the frame (chunk tags and a head MAC, see :mod:`.auth`).
     """
     if isinstance(obj, Frame):
         return obj
     if hasattr(obj, "layer_blocks") and callable(getattr(obj, "to_dict", None)):
         obj = obj.to_dict()
-    return Frame(obj, chunk_bytes)
+    return Frame(obj, chunk_bytes, auth)

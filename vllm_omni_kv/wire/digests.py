@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 
@@ -23,8 +23,12 @@ from vllm_omni_kv.wire.prelude import (
     CHECKSUM_XXH3,
     DIGEST,
     DIGEST_SIZE,
+    TAG_SIZE,
     Prelude,
 )
+
+if TYPE_CHECKING:
+    from vllm_omni_kv.wire.auth import AuthKey
 
 #: a half-open range ``[start, end)`` of frame bytes
 Span = tuple[int, int]
@@ -133,14 +137,25 @@ class ChunkWriter:
 
     ``advance(done)`` is called with increasing write positions inside the current
     span; it returns the end of the last chunk whose digest is in the trailer, so a
-    streaming producer advertises only bytes a reader can already verify.
+    streaming producer advertises only bytes a reader can already verify. With
+    ``auth``, each chunk's keyed tag goes to ``tags_start + 16 * k`` as well.
     """
 
-    def __init__(self, mv: memoryview, chunk_bytes: int, trailer_start: int) -> None:
+    def __init__(
+        self,
+        mv: memoryview,
+        chunk_bytes: int,
+        trailer_start: int,
+        auth: AuthKey | None = None,
+        tags_start: int = 0,
+    ) -> None:
         self._mv = mv
         self._c = chunk_bytes
         self._slot = trailer_start
         self._h = xxhash.xxh3_64()
+        self._auth = auth
+        self._tag = tags_start
+        self._m = auth.chunk_hasher() if auth is not None else None
         self._end = self._cstart = self._hashed = 0
 
     def span(self, start: int, nbytes: int) -> None:
@@ -155,15 +170,26 @@ class ChunkWriter:
         while hashed < done:
             cend = min(cstart + c, end)
             e = cend if done >= cend else done
+            auth, m, tag = self._auth, self._m, b""
             if hashed == cstart and e == cend:  # a whole chunk in one go
                 digest = xxhash.xxh3_64_intdigest(mv[cstart:cend])
+                if auth is not None:
+                    tag = auth.chunk_tag(mv[cstart:cend])
             else:
                 self._h.update(mv[hashed:e])
+                if m is not None:
+                    m.update(mv[hashed:e])
                 if e < cend:
                     hashed = e
                     break
                 digest = self._h.intdigest()
                 self._h.reset()
+                if auth is not None and m is not None:
+                    tag = m.digest()
+                    self._m = auth.chunk_hasher()
+            if auth is not None:
+                mv[self._tag : self._tag + TAG_SIZE] = tag
+                self._tag += TAG_SIZE
             DIGEST.pack_into(mv, self._slot, digest)
             self._slot += DIGEST_SIZE
             cstart = hashed = cend

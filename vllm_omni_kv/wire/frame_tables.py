@@ -10,6 +10,8 @@ import torch
 from vllm_omni_kv.errors import KVPayloadError
 
 MAX_NDIM = 8
+#: largest tensor dimension a frame may declare (a zero-size tensor's other dims included)
+MAX_DIM = 1 << 48
 
 
 def _is_int(x: Any) -> bool:
@@ -32,7 +34,7 @@ def check_tensor_table(
         if (
             not isinstance(shape, list)
             or len(shape) > MAX_NDIM
-            or not all(_is_int(d) and d >= 0 for d in shape)
+            or not all(_is_int(d) and 0 <= d <= MAX_DIM for d in shape)
         ):
             raise KVPayloadError(f"tensor #{i}: bad shape {shape!r}")
         if not (_is_int(off) and _is_int(nbytes)) or off < 0 or nbytes < 0:

@@ -3,7 +3,9 @@
 See :mod:`vllm_omni_kv.wire.codec` for the whole layout. The prelude alone
 gives every region's offset: header ``[32, 32 + header_len)``, data
 ``[data_start, data_start + data_len)`` with ``data_start = align_up(32 +
-header_len, 64)``, then the digest trailer of ``8 * digests`` bytes.
+header_len, 64)``, then the digest trailer of ``8 * digests`` bytes; a frame with
+:data:`FLAG_MAC` (packed with an auth key, see :mod:`.auth`) continues the trailer
+with ``16 * digests`` bytes of chunk tags and a 32-byte head MAC.
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ DIGEST_SIZE = 8
 ALIGN = 64
 CHECKSUM_NONE = 0
 CHECKSUM_XXH3 = 1
+#: prelude flag: the trailer carries keyed chunk tags and a head MAC (:mod:`.auth`)
+FLAG_MAC = 0x01
+TAG_SIZE = 16
+HEAD_MAC_SIZE = 32
 MAX_HEADER = 64 << 20
 #: packing copies and hashes this many bytes at a time, so each step is hashed while in cache;
 #: also the default chunk size (bytes covered by one digest)
@@ -47,6 +53,11 @@ class Prelude:
     data_len: int
     checksum: int
     digests: int
+    flags: int = 0
+
+    @property
+    def keyed(self) -> bool:
+        return bool(self.flags & FLAG_MAC)
 
     @property
     def data_start(self) -> int:
@@ -57,8 +68,18 @@ class Prelude:
         return self.data_start + self.data_len
 
     @property
+    def tags_start(self) -> int:
+        """Where the chunk tags of a keyed frame begin (after the digests)."""
+        return self.trailer_start + DIGEST_SIZE * self.digests
+
+    @property
+    def head_mac_start(self) -> int:
+        return self.tags_start + TAG_SIZE * self.digests
+
+    @property
     def trailer_len(self) -> int:
-        return DIGEST_SIZE * self.digests
+        macs = TAG_SIZE * self.digests + HEAD_MAC_SIZE if self.keyed else 0
+        return DIGEST_SIZE * self.digests + macs
 
     @property
     def total(self) -> int:
@@ -85,15 +106,17 @@ def read_prelude(head: bytes | memoryview, available: int) -> Prelude:
             f"frame format version {version}{older} is not supported: this build reads "
             f"version {VERSION}; upgrade vllm-omni-kv on both stages to the same release"
         )
-    if flags:
+    if flags & ~FLAG_MAC:
         raise KVPayloadError(f"frame uses flags {flags:#x} that this build does not understand")
     if alg not in (CHECKSUM_NONE, CHECKSUM_XXH3):
         raise KVPayloadError(f"unknown checksum algorithm {alg}")
+    if flags & FLAG_MAC and alg != CHECKSUM_XXH3:
+        raise KVPayloadError("authenticated frame without chunk digests")
     if alg == CHECKSUM_NONE and digests:
         raise KVPayloadError(f"frame without checksum declares {digests} chunk digests")
     if header_len > MAX_HEADER:
         raise KVPayloadError(f"frame header length {header_len} exceeds the {MAX_HEADER} limit")
-    p = Prelude(alg, header_len, data_len, checksum, digests)
+    p = Prelude(alg, header_len, data_len, checksum, digests, flags)
     if p.total > available:
         raise KVPayloadError(f"truncated frame: header declares {p.total} bytes, got {available}")
     return p

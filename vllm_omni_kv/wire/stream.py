@@ -19,6 +19,13 @@ A reader computes the span of a tensor view ``t`` of ``obj`` (or of a block rang
 digest per chunk, so backends built on :class:`ChunkedStream` move and verify
 only the chunks that cover the requested spans (plus header and digest trailer).
 Streams over objects that are not frames (a raw buffer) are :class:`CompleteStream`.
+
+A reader with an auth key (:mod:`.auth`) calls ``authenticate(key)`` right after
+opening (a reader without one calls ``authenticate(None)``): a keyed frame
+without a key here, an unkeyed frame with one, or a stream that cannot be
+authenticated raise :class:`KVPayloadError`; afterwards every chunk ``load``
+reaches is checked against its keyed tag and the head MAC before the final
+value is yielded (``copy_into`` returns).
 """
 
 from __future__ import annotations
@@ -32,10 +39,11 @@ import numpy as np
 import torch
 
 from vllm_omni_kv.closing import Closing
-from vllm_omni_kv.errors import KVTransferCancelled, KVTransferError
+from vllm_omni_kv.errors import KVPayloadError, KVTransferCancelled, KVTransferError
+from vllm_omni_kv.wire.auth import AuthKey, check_keying, verify_chunk_tag, verify_head_mac
 from vllm_omni_kv.wire.digests import Run, Span, verify_chunk
 from vllm_omni_kv.wire.prelude import PACK_STEP
-from vllm_omni_kv.wire.unpack import FrameInfo, materialize, parse
+from vllm_omni_kv.wire.unpack import FrameInfo, authenticate_frame, materialize, parse
 
 #: ``load`` value meaning "every requested byte": compares above any frame offset
 ALL_READY = 1 << 62
@@ -91,6 +99,18 @@ class PayloadStream(Closing):
         """
         raise NotImplementedError
 
+    def authenticate(self, auth: AuthKey | None) -> None:
+        """Apply the reader's key policy (call once, before ``load``; see the module doc).
+
+        This base class knows no frame to check: it accepts only ``None``.
+        """
+        if auth is not None:
+            raise KVPayloadError(
+                f"payload not authenticated: {type(self).__name__} hands over a payload whose "
+                "frame bytes cannot be checked against the auth key (e.g. a device-pool "
+                "frame); use a host pool or leave auth_key_file unset on both stages"
+            )
+
     def ready(self, deadline: float, cancel: threading.Event | None = None) -> Iterator[int]:
         """``load`` of every byte of the frame."""
         return self.load(None, deadline, cancel)
@@ -121,12 +141,27 @@ class PayloadStream(Closing):
 
 
 class CompleteStream(PayloadStream):
-    """A stream over an object that was received and verified in full."""
+    """A stream over an object that was received and verified in full.
 
-    def __init__(self, obj: Any, size: int) -> None:
+    ``frame``: the frame bytes ``obj`` was decoded from, when the stream can be
+    authenticated (see ``authenticate``).
+    """
+
+    def __init__(self, obj: Any, size: int, frame: Any = None) -> None:
         self.obj = obj
         self.size = size
         self.moved = size
+        self._frame = frame
+
+    def authenticate(self, auth: AuthKey | None) -> None:
+        if self._frame is None:
+            super().authenticate(auth)
+            return
+        if auth is None:
+            mv = memoryview(self._frame).cast("B")
+            check_keying(parse(mv, mv.nbytes, require_checksum=False).prelude.keyed, None)
+        else:
+            authenticate_frame(self._frame, auth)
 
     def load(
         self,
@@ -183,6 +218,9 @@ class ChunkedStream(PayloadStream):
     _info: FrameInfo
     _verify = False
     _started = False
+    #: the reader's key once ``authenticate`` accepted it (None: unkeyed frame, no key)
+    _mac: AuthKey | None = None
+    _authenticated = False
 
     def _start(
         self,
@@ -213,12 +251,31 @@ class ChunkedStream(PayloadStream):
     def _failed(self) -> None:
         """Runs when ``load`` or ``copy_into`` raises (before the error propagates)."""
 
+    def authenticate(self, auth: AuthKey | None) -> None:
+        """Check the key policy now and the blob chunks' tags (decoding brought them);
+        ``load`` checks the tags of the chunks it reaches and, at its end, the head MAC."""
+        if self._mv is None:
+            raise KVTransferError("the stream is closed")
+        p = self._info.prelude
+        check_keying(p.keyed, auth)
+        self._mac, self._authenticated = auth, True
+        if auth is not None:
+            for first, last in self._info.blob_runs():
+                for k, s, e in self._info.chunks.iter_bounds(first, last):
+                    verify_chunk_tag(self._mv, p.tags_start, k, s, e, auth)
+
+    def _check_head_mac(self) -> None:
+        if self._mac is not None and self._mv is not None:
+            verify_head_mac(self._mv, self._info.prelude, self._mac)
+
     def _begin(self, spans: Sequence[Span] | None, cancel: threading.Event | None) -> None:
         if self._mv is None:
             raise KVTransferError("the stream is closed")
         if self._started:
             raise KVTransferError("a stream can be read (load / copy_into) only once")
         self._started = True
+        if self._info.prelude.keyed and not self._authenticated:
+            check_keying(True, None)
         check_cancel(cancel, "the load")
         for a, b in spans or ():
             if not 0 <= a <= b <= self.size:
@@ -234,6 +291,7 @@ class ChunkedStream(PayloadStream):
         try:
             yield from self._bring(self._info.chunks.runs(spans), deadline, cancel)
             self._finish(deadline, cancel)
+            self._check_head_mac()
         except GeneratorExit:
             raise
         except BaseException:
@@ -249,6 +307,7 @@ class ChunkedStream(PayloadStream):
         try:
             self._copy_out(copies, spans, deadline, cancel)
             self._finish(deadline, cancel)
+            self._check_head_mac()
         except BaseException:
             self._failed()
             raise
@@ -266,6 +325,7 @@ class ChunkedStream(PayloadStream):
         mv, cm, base = self._mv, self._info.chunks, self.frame_address
         assert mv is not None and base is not None
         trailer, verify, count = cm.trailer_start, self._verify, self.count_chunks
+        mac, tags = self._mac, self._info.prelude.tags_start
         runs = cm.runs(spans)
         extents = [cm.extent(r) for r in runs]
         chunks = [c for r in runs for c in cm.iter_bounds(*r)]
@@ -289,16 +349,22 @@ class ChunkedStream(PayloadStream):
                 avail = self._wait(
                     max(avail, extents[ri][0]), need, extents[ri][1], deadline, cancel
                 )
-            if verify:
+            if verify or mac is not None:
                 for k, s, e in chunks[ci : last + 1]:
                     if k > done_k and (s < start or e > end):
-                        verify_chunk(mv, trailer, k, s, e)
+                        if verify:
+                            verify_chunk(mv, trailer, k, s, e)
+                        if mac is not None:
+                            verify_chunk_tag(mv, tags, k, s, e, mac)
             ctypes.memmove(dst, base + start, end - start)
             for k, s, e in chunks[ci : last + 1]:
                 if k <= done_k:
                     continue
-                if verify and start <= s and e <= end:
-                    verify_chunk(mv, trailer, k, s, e, view[s - start : e - start])
+                if start <= s and e <= end:
+                    if verify:
+                        verify_chunk(mv, trailer, k, s, e, view[s - start : e - start])
+                    if mac is not None:
+                        verify_chunk_tag(mv, tags, k, s, e, mac, view[s - start : e - start])
                 if count:
                     self.moved += e - s
             done_k = max(done_k, chunks[last][0])
@@ -310,6 +376,7 @@ class ChunkedStream(PayloadStream):
         mv, cm = self._mv, self._info.chunks
         assert mv is not None
         trailer, verify, count = cm.trailer_start, self._verify, self.count_chunks
+        mac, tags = self._mac, self._info.prelude.tags_start
         for run in runs:
             rs, re = cm.extent(run)
             avail = last = rs
@@ -318,6 +385,8 @@ class ChunkedStream(PayloadStream):
                     avail = self._wait(avail, e, re, deadline, cancel)
                 if verify:
                     verify_chunk(mv, trailer, k, s, e)
+                if mac is not None:
+                    verify_chunk_tag(mv, tags, k, s, e, mac)
                 if count:
                     self.moved += e - s
                 if e >= avail or e - last >= PACK_STEP:

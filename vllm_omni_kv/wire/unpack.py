@@ -3,7 +3,7 @@
 :func:`parse` validates prelude and header and returns a :class:`FrameInfo`
 (tables, tree, chunk map) without reading data bytes; :func:`materialize`
 builds the object with zero-copy tensor views; :func:`decode` does both after
-checking every digest.
+checking every digest (and, given an auth key, every MAC: :func:`authenticate_frame`).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import msgpack
 import torch
 
 from vllm_omni_kv.errors import KVPayloadError
+from vllm_omni_kv.wire.auth import AuthKey, verify_chunk_tag, verify_head_mac
 from vllm_omni_kv.wire.digests import ChunkMap, Run, verify_chunks
 from vllm_omni_kv.wire.digests import verify_head as check_head
 from vllm_omni_kv.wire.frame_tables import check_blob_table, check_chunk_bytes, check_tensor_table
@@ -33,6 +34,8 @@ from vllm_omni_kv.wire.prelude import (
 
 EXT_TENSOR = 1
 EXT_BLOB = 2
+#: deepest nesting of lists/maps a frame header may hold (KV payloads use a handful)
+MAX_DEPTH = 64
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -126,6 +129,7 @@ def parse(
         raise
     except Exception as e:
         raise KVPayloadError(f"frame header is not valid msgpack: {e}") from None
+    _check_depth(header)
     if not isinstance(header, dict) or not {"t", "b", "v", "c"} <= set(header):
         raise KVPayloadError("frame header lacks its 't', 'b', 'v' and 'c' fields")
     tensors = check_tensor_table(header["t"], p.data_len, DTYPES)
@@ -144,6 +148,26 @@ def parse(
             f"{chunks.count} chunks of {chunk_bytes} bytes"
         )
     return FrameInfo(p, header["v"], tensors, blobs, chunks)
+
+
+def _check_depth(tree: Any) -> None:
+    """Refuse headers nested deeper than :data:`MAX_DEPTH` (checked without recursion, so
+    later recursive walks of the tree stay far from Python's recursion limit)."""
+    stack: list[tuple[Any, int]] = [(tree, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            children: Any = node.values()
+        elif isinstance(node, list):
+            children = node
+        else:
+            continue
+        if depth >= MAX_DEPTH:
+            raise KVPayloadError(
+                f"frame header nests lists/maps deeper than {MAX_DEPTH} levels: not a "
+                "vllm-omni-kv payload"
+            )
+        stack.extend((c, depth + 1) for c in children)
 
 
 def _resolve(tree: Any, tensors: Sequence[Any], blobs: Sequence[Any]) -> Any:
@@ -183,27 +207,48 @@ def _as_bytes(raw: Any) -> memoryview:
         raise KVPayloadError(f"cannot read a frame from {type(raw).__name__}: {e}") from None
 
 
-def decode(raw: Any, *, verify: bool = True) -> Any:
+def authenticate_frame(raw: Any, auth: AuthKey) -> FrameInfo:
+    """Check a whole host frame's checksum, head MAC and every chunk tag against ``auth``.
+
+    Raises :class:`KVPayloadError` for an unkeyed frame or any MAC that does not match.
+    """
+    mv = _as_bytes(raw)
+    info = parse(mv, mv.nbytes, verify_head=True, require_checksum=False)
+    p = info.prelude
+    verify_head_mac(mv, p, auth)
+    for k, s, e in info.chunks.iter_bounds(0, info.chunks.count):
+        verify_chunk_tag(mv, p.tags_start, k, s, e, auth)
+    return info
+
+
+def decode(raw: Any, *, verify: bool = True, auth: AuthKey | None = None) -> Any:
     """Decode a host frame. Tensors are zero-copy views of ``raw``; byte blobs are copied once.
 
-    With ``verify`` the prelude checksum and every chunk digest are checked. The views
-    keep ``raw`` alive. Raises :class:`KVPayloadError` on any defect.
+    With ``verify`` the prelude checksum and every chunk digest are checked; with
+    ``auth`` the frame must be keyed with it and every MAC is checked too (without
+    ``auth`` a keyed frame is decoded unauthenticated: readers that require
+    authentication use :meth:`~.stream.PayloadStream.authenticate`). The views keep
+    ``raw`` alive. Raises :class:`KVPayloadError` on any defect.
     """
     if isinstance(raw, torch.Tensor):
-        return decode_tensor(raw, verify=verify)
+        return decode_tensor(raw, verify=verify, auth=auth)
     mv = _as_bytes(raw)
+    if auth is not None:
+        authenticate_frame(mv, auth)
     info = parse(mv, mv.nbytes, verify_head=verify)
     if verify:
         verify_chunks(mv, info.chunks, info.chunks.runs(None))
     return materialize(mv, info)
 
 
-def decode_tensor(t: torch.Tensor, *, verify: bool = True) -> Any:
+def decode_tensor(t: torch.Tensor, *, verify: bool = True, auth: AuthKey | None = None) -> Any:
     """Decode a frame packed into a ``uint8`` tensor; tensors are views on its device."""
     if t.dtype != torch.uint8 or t.dim() != 1:
         raise KVPayloadError(f"a packed frame tensor is 1-D uint8, got {t.dtype} {tuple(t.shape)}")
     if t.device.type == "cpu":
-        return decode(t.contiguous().numpy(), verify=verify)
+        return decode(t.contiguous().numpy(), verify=verify, auth=auth)
+    if auth is not None:
+        authenticate_frame(t.cpu().numpy(), auth)
     n = t.numel()
     p = read_prelude(t[: min(n, PRELUDE_SIZE)].cpu().numpy().tobytes(), n)
     # accelerator frames carry no digests; one with a trailer is checked on the host

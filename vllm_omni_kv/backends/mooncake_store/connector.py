@@ -18,16 +18,29 @@ device list, ""), ``segment`` (bytes this client contributes to the store,
 512 MiB), ``localbuf`` (staging bytes, 64 MiB); plus ``remove_on_get`` (True:
 one reader per key; False: keys stay until ``cleanup`` so several readers can
 get them), ``get_timeout_s`` (how long ``get`` waits for a key to appear, 0),
-``replica_num`` (store replicas per object, default: the store's).
+``replica_num`` (store replicas per object, default: the store's),
+``connect_timeout_s`` (how long the start waits for the master, and an HTTP
+metadata server, to accept a TCP connection; 10).
+
+Master down at start: the connector refuses to start (``KVTransferError`` naming
+the master address) after ``connect_timeout_s`` instead of the store client's
+own ~90 s of retries, so the engine fails at start rather than recomputing
+every request. Master lost mid-run: puts and gets fail at once with
+``KVTransferError`` naming the master (the consumer keeps polling until its
+``recv_timeout``, then vLLM recomputes); ``health()`` reports "unhealthy" from
+the last store call and never blocks on the master. A restarted master is
+picked up by the store client (keys stored before the restart are gone).
 """
 
 from __future__ import annotations
 
 import ctypes
+import socket
 import threading
 import time
 import weakref
 from typing import Any
+from urllib.parse import urlsplit
 
 from vllm_omni_kv.backends.base import OmniConnectorBase
 from vllm_omni_kv.backends.keys import edge_key, is_request_key
@@ -57,6 +70,38 @@ def _import_store() -> Any:
     return store_mod
 
 
+#: Mooncake store error codes (mooncake-store ``ErrorCode``)
+OBJECT_NOT_FOUND = -704
+RPC_FAIL = -900
+#: the key a probe asks for while the master is unreachable (never stored)
+PROBE_KEY = "omnikv-master-probe"
+#: pause between two probes of an unreachable master
+PROBE_INTERVAL_S = 0.5
+
+
+def _connect_error(host: str, port: int, timeout_s: float) -> str | None:
+    """None once ``host:port`` accepts a TCP connection (retried for ``timeout_s``), else why."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=max(0.1, min(1.0, timeout_s))):
+                return None
+        except OSError as e:
+            why = e.strerror or type(e).__name__
+        if time.monotonic() >= deadline:
+            return why
+        time.sleep(0.1)
+
+
+def _host_port(address: str) -> tuple[str, int] | None:
+    """``(host, port)`` of ``host:port`` or ``http://host:port/...``; None for other forms."""
+    netloc = urlsplit(address).netloc if "://" in address else address
+    host, sep, port = netloc.rpartition(":")
+    if not sep or not port.isdigit():
+        return None
+    return host.strip("[]"), int(port)
+
+
 def _as_frame(data: Any) -> codec.Frame:
     if isinstance(data, codec.Frame):
         return data
@@ -83,6 +128,7 @@ class MooncakeStoreConnector(OmniConnectorBase):
             self.segment = int(cfg.get("segment", 512 * 1024 * 1024))
             self.localbuf = int(cfg.get("localbuf", 64 * 1024 * 1024))
             self.get_timeout_s = float(cfg.get("get_timeout_s", 0.0))
+            self.connect_timeout_s = float(cfg.get("connect_timeout_s", 10.0))
         except (TypeError, ValueError) as e:
             raise ConfigError(f"MooncakeStoreConnector: bad numeric setting: {e}") from None
         if self.segment <= 0 or self.localbuf <= 0:
@@ -93,6 +139,7 @@ class MooncakeStoreConnector(OmniConnectorBase):
         if cfg.get("replica_num") is not None:
             self.pin = store_mod.ReplicateConfig()
             self.pin.replica_num = int(cfg["replica_num"])
+        self._check_reachable()
         self.store: Any = store_mod.MooncakeDistributedStore()
         ret = self.store.setup(
             self.host,
@@ -105,7 +152,7 @@ class MooncakeStoreConnector(OmniConnectorBase):
         )
         if ret != 0:
             self.store = None
-            raise BackendUnavailable(
+            raise KVTransferError(
                 f"MooncakeDistributedStore.setup failed with code {ret}: is mooncake_master "
                 f"running at {self.master} and the metadata server at {self.metadata} reachable? "
                 "(start one with: mooncake_master -enable_http_metadata_server=true)"
@@ -118,8 +165,87 @@ class MooncakeStoreConnector(OmniConnectorBase):
             self._staging_ok = True
         self._lock = threading.Lock()
         self._keys: set[str] = set()  # keys this connector put and has not removed
-        self._stats = Counters(*COMMON)
+        self._stats = Counters(*COMMON, "store_errors")
+        #: the last failed store call (master unreachable...); "" once one succeeds
+        self._last_error = ""
+        #: set while the master is unreachable: calls fail at once, a thread probes it
+        self._down = threading.Event()
+        self._prober: threading.Thread | None = None
         self._closed = False
+
+    def _check_reachable(self) -> None:
+        """``KVTransferError`` naming the address when the master (or an HTTP metadata server)
+        does not accept a connection within ``connect_timeout_s``."""
+        targets = [("master", self.master, _host_port(self.master))]
+        if self.metadata.startswith("http"):
+            targets.append(("metadata server", self.metadata, _host_port(self.metadata)))
+        for what, address, hp in targets:
+            if hp is None:
+                if what == "master":
+                    raise ConfigError(
+                        f"MooncakeStoreConnector: master must be 'host:port', got {address!r}"
+                    )
+                continue
+            why = _connect_error(hp[0], hp[1], self.connect_timeout_s)
+            if why is not None:
+                raise KVTransferError(
+                    f"the Mooncake {what} at {address} does not accept connections ({why}) "
+                    f"after {self.connect_timeout_s:g}s: start mooncake_master there "
+                    "(mooncake_master -enable_http_metadata_server=true) or point backend_extra "
+                    f"'{'master' if what == 'master' else 'metadata_server'}' at it; raise "
+                    "connect_timeout_s if it starts after the engines"
+                )
+
+    def _store_failed(self, op: str, key: str, code: int) -> KVTransferError:
+        """Record a failed store call; the error to raise (names the master on RPC failure)."""
+        self._stats.add("store_errors")
+        if code == RPC_FAIL:
+            why = f"the Mooncake master at {self.master} is unreachable (RPC_FAIL {code})"
+            self._mark_down()
+        else:
+            why = f"the Mooncake store answered code {code}"
+        self._last_error = f"{op} {key!r}: {why}"
+        return KVTransferError(f"Mooncake store {self._last_error}")
+
+    def _mark_down(self) -> None:
+        """The master stopped answering: until a probe reaches it again, store calls fail
+        at once instead of each blocking for the store client's RPC timeout (seconds,
+        on the engine's step for puts and cleanups)."""
+        with self._lock:
+            if self._down.is_set() or self._closed:
+                return
+            self._down.set()
+            self._prober = threading.Thread(
+                target=self._probe, name="omnikv-mooncake-probe", daemon=True
+            )
+            self._prober.start()
+        logger.warning(
+            "the Mooncake master at %s is unreachable: KV transfers fail (and vLLM recomputes) "
+            "until it answers again",
+            self.master,
+        )
+
+    def _probe(self) -> None:
+        store = self.store
+        while not self._closed and store is not None:
+            if int(store.is_exist(PROBE_KEY)) != RPC_FAIL:
+                self._down.clear()
+                self._store_ok()
+                return
+            time.sleep(PROBE_INTERVAL_S)
+
+    def _check_up(self, op: str, key: str) -> None:
+        if self._down.is_set():
+            self._stats.add("store_errors")
+            raise KVTransferError(
+                f"Mooncake store {op} {key!r}: the Mooncake master at {self.master} is "
+                "unreachable (probing it in the background)"
+            )
+
+    def _store_ok(self) -> None:
+        if self._last_error:
+            logger.info("Mooncake store at %s answers again", self.master)
+            self._last_error = ""
 
     def _check_open(self) -> None:
         if self._closed:
@@ -139,6 +265,7 @@ class MooncakeStoreConnector(OmniConnectorBase):
         """Store ``data`` under ``put_key``; ``(False, 0, None)`` when the store refuses it."""
         self._check_open()
         key = edge_key(put_key, from_stage, to_stage)
+        self._check_up("put of", key)
         frame = _as_frame(data)
         size = frame.nbytes
         block = self._staging_block(size)
@@ -149,8 +276,9 @@ class MooncakeStoreConnector(OmniConnectorBase):
         else:
             ret = self.store.put(key, memoryview(frame.to_bytearray()), *self._pin_args())
         if ret != 0:
-            logger.error("Mooncake store put of %r (%d bytes) failed with code %d", key, size, ret)
+            logger.error("%s (%d bytes)", self._store_failed("put of", key, ret), size)
             return False, 0, None
+        self._store_ok()
         with self._lock:
             self._keys.add(key)
         self._stats.add("puts")
@@ -170,11 +298,12 @@ class MooncakeStoreConnector(OmniConnectorBase):
         """Fetch the whole object; None when the key is not there (after ``get_timeout_s``)."""
         self._check_open()
         key = edge_key(get_key, from_stage, to_stage)
+        self._check_up("get of", key)
         deadline = time.monotonic() + self.get_timeout_s
-        size = self.store.get_size(key)
+        size = self._get_size(key)
         while size < 0 and time.monotonic() < deadline:
             time.sleep(0.01)
-            size = self.store.get_size(key)
+            size = self._get_size(key)
         stream = self._read(key, size) if size > 0 else None
         if stream is None:
             self._stats.add("misses")
@@ -185,13 +314,21 @@ class MooncakeStoreConnector(OmniConnectorBase):
         self._stats.add("bytes_got", size)
         return stream
 
+    def _get_size(self, key: str) -> int:
+        """The object's size, or -1 while it is not there; raises when the store fails."""
+        size = int(self.store.get_size(key))
+        if size < 0 and size != OBJECT_NOT_FOUND:
+            raise self._store_failed("get_size of", key, size)
+        self._store_ok()
+        return size
+
     def discard(
         self, from_stage: str, to_stage: str, key: str, metadata: dict[str, Any] | None = None
     ) -> bool:
         """Remove ``key`` from the store without reading it; True when it was there."""
         self._check_open()
         bkey = edge_key(key, from_stage, to_stage)
-        if self.store.is_exist(bkey) != 1:
+        if self._down.is_set() or self.store.is_exist(bkey) != 1:
             return False
         self._remove(bkey)
         return True
@@ -204,6 +341,8 @@ class MooncakeStoreConnector(OmniConnectorBase):
         got = self.store.get_into(key, block.address, size)
         if got != size:
             block.release()
+            if got == RPC_FAIL:
+                raise self._store_failed("get_into of", key, got)
             if got < 0:
                 return None  # removed between get_size and get_into
             raise KVTransferError(f"Mooncake store get_into {key!r}: read {got} of {size} bytes")
@@ -212,6 +351,8 @@ class MooncakeStoreConnector(OmniConnectorBase):
         return ArrivedFrameStream(view)
 
     def _remove(self, key: str) -> None:
+        if self._down.is_set():
+            return  # kept in ``_keys``: removed by a later cleanup or close, if reachable
         ret = self.store.remove(key, True)
         if ret != 0 and self.store.is_exist(key) == 1:
             logger.warning("Mooncake store remove of %r failed with code %d", key, ret)
@@ -237,8 +378,12 @@ class MooncakeStoreConnector(OmniConnectorBase):
             return
         with self._lock:
             keys, self._keys = list(self._keys), set()
-        for k in keys:
-            store.remove(k, True)
+            prober = self._prober
+        if prober is not None:
+            prober.join(PROBE_INTERVAL_S + 10)
+        if not self._down.is_set():  # each call would block for the RPC timeout otherwise
+            for k in keys:
+                store.remove(k, True)
         if self._staging_ok:
             store.unregister_buffer(self._staging.base_ptr)
         store.close()
@@ -247,12 +392,15 @@ class MooncakeStoreConnector(OmniConnectorBase):
         stats = self._stats.snapshot()
         with self._lock:
             pending = len(self._keys)
+        # from the last store call: the store's own health_check blocks for seconds on a
+        # lost master, and the connector's stats ask for health on the engine's step
         if self._closed or self.store is None:
             status = "closed"
         else:
-            status = "healthy" if self.store.health_check() == 0 else "unhealthy"
+            status = "unhealthy" if self._last_error else "healthy"
         return {
             "status": status,
+            "last_error": self._last_error,
             "backend": "mooncake_store",
             "master": self.master,
             "metadata_server": self.metadata,

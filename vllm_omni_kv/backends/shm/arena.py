@@ -7,15 +7,15 @@ consumer caches its mappings of them. Files in ``/dev/shm``:
 
 * ``omnikv_seg_<pid>_<ns>_<id>`` - an arena segment of the producer ``pid`` (``ns``: a
   short hash of the backend's ``namespace``, so tools can tell namespaces apart). Its first
-  64 bytes are a slot header: ``u64 state | u64 generation | u64 progress |
-  u64 abandoned``; the frame follows at offset 64. States: FREE,
+  64 bytes are a slot header of eight ``u64`` words: ``state | generation | progress |
+  abandoned | owner | beat | pidns | reader``; the frame follows at offset 64. States: FREE,
   PUBLISHED (a reader may claim it), ONESHOT (a one-off segment the reader
   unlinks after use; also "reserved" while a producer writes a pooled one),
   STREAMING (published while the producer is still writing: ``progress`` leading
   frame bytes are final) and ABORTED (the producer failed mid-write).
 * ``omnikv_idx_<ns>_<digest>`` - the index entry of one key: ``b"R"`` (complete) or
   ``b"S"`` (streamed: possibly still being written) + msgpack ``{seg, gen, size,
-  pid, pooled}`` pointing into a segment, or ``b"I"`` + an inline frame for small
+  pid, pooled, owner}`` pointing into a segment, or ``b"I"`` + an inline frame for small
   payloads. Written under a temporary name then renamed, so readers never see
   half of one; claimed by renaming (one reader wins).
 
@@ -25,36 +25,87 @@ collected (for a stream: once it is also closed). A streaming reader that gives
 up before the producer finished writes the generation into ``abandoned``
 instead, and the producer frees the segment: each field has a single writer at
 any time, so no atomic operations are needed.
+
+Liveness (:mod:`vllm_omni_kv.backends.shm.liveness`) works across PID namespaces
+(containers sharing ``/dev/shm``): ``owner`` is a random per-process instance id,
+``pidns`` the inode of the owner's PID namespace, and a producer thread
+(:mod:`vllm_omni_kv.backends.shm.producer`) rewrites ``beat`` (``CLOCK_BOOTTIME``
+milliseconds) in every segment it owns each ``HEARTBEAT_S``. An owner is dead once
+its beat is older than the staleness threshold (``heartbeat_stale_s``, default
+``STALE_S``); an owner in our own PID namespace is also dead as soon as its pid is
+gone. A file without a beat (written by an older version) is judged by its pid alone.
+A reader that claims a segment keeps ``reader`` (``generation & 0xffff`` in the top 16
+bits, its own beat below) fresh while it holds it; the producer frees (or, for a one-off
+segment, unlinks) a claimed segment whose reader lease went stale, so a reader killed
+after claiming returns the segment within the threshold.
 Files of dead processes are swept by :func:`sweep_orphans`.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import hashlib
 import mmap
 import os
+import stat
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 
 import msgpack
 import numpy as np
 
+from vllm_omni_kv.backends.host_pin import HostPin, cuda_in_use
+from vllm_omni_kv.backends.host_pin import register as register_host
+from vllm_omni_kv.backends.shm.liveness import (
+    HEARTBEAT_S,
+    STALE_S,
+    W_BEAT,
+    W_OWNER,
+    W_PIDNS,
+    W_READER,
+    owner_alive,
+    pid_alive,
+)
 from vllm_omni_kv.errors import KVTransferError
 from vllm_omni_kv.logger import init_logger
-from vllm_omni_kv.wire import codec
 
 logger = init_logger(__name__)
+
+__all__ = [
+    "HEARTBEAT_S",
+    "STALE_S",
+    "W_BEAT",
+    "W_OWNER",
+    "W_PIDNS",
+    "W_READER",
+    "owner_alive",
+    "pid_alive",
+    "sweep_orphans",
+]
 
 SHM_DIR = "/dev/shm"
 PREFIX = "omnikv_"
 SEG_PREFIX = PREFIX + "seg_"
 IDX_PREFIX = PREFIX + "idx_"
-SLOT_WORDS = 4  # state, generation, progress, abandoned: u64 each
+SLOT_WORDS = 8  # state, generation, progress, abandoned, owner, beat, pidns, reader: u64 each
 DATA_OFFSET = 64
 FREE, PUBLISHED, ONESHOT, STREAMING, ABORTED = 0, 1, 2, 3, 4
 POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+def read_header(name: str) -> list[int] | None:
+    """The slot header of segment ``name`` without mapping it; None when shorter."""
+    fd = os.open(path(name), os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        raw = os.pread(fd, DATA_OFFSET, 0)
+    finally:
+        os.close(fd)
+    if len(raw) < DATA_OFFSET:
+        return None
+    return [int(x) for x in np.frombuffer(raw, dtype="<u8", count=SLOT_WORDS)]
 
 
 def size_class(n: int) -> int:
@@ -109,11 +160,14 @@ def _no_room(what: str, err: OSError) -> KVTransferError:
     )
 
 
-def _create_file(name: str, size: int) -> int:
+def _create_file(name: str, size: int, head: bytes = b"") -> int:
     """Create an owner-only file of ``size`` bytes whose pages are reserved up front, so a
-    full ``/dev/shm`` is an error here rather than a SIGBUS when the bytes are written."""
+    full ``/dev/shm`` is an error here rather than a SIGBUS when the bytes are written.
+    ``head`` is written first, so a sweeper sees a segment's heartbeat from the start."""
     fd = os.open(path(name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
+        if head:
+            os.pwrite(fd, head, 0)
         os.ftruncate(fd, size)
         if size:
             os.posix_fallocate(fd, 0, size)
@@ -132,10 +186,12 @@ class Segment:
     capacity: int  # frame bytes it can hold (excludes the slot header)
     mm: mmap.mmap
     last_use: int = 0  # producer-side acquire counter: the highest is the most cache-hot
+    index: str | None = None  # producer side: the index entry of the published generation
+    claimed_at: float | None = None  # producer side: when it saw a claim without a lease
     _words: np.ndarray | None = None
 
     def words(self) -> np.ndarray:
-        """The slot header as four ``u64`` words. Each field is written with one aligned
+        """The slot header as eight ``u64`` words. Each field is written with one aligned
         8-byte store, so other processes never see it half written (``struct.pack_into``
         zeroes its target first, which a concurrent reader could observe)."""
         if self._words is None:
@@ -153,7 +209,7 @@ class Segment:
 
     def full_state(self) -> tuple[int, int, int, int]:
         """``(state, generation, progress, abandoned)``, read in that order."""
-        st, gen, progress, abandoned = self.words().tolist()
+        st, gen, progress, abandoned = self.words()[:4].tolist()
         return st, gen, progress, abandoned
 
     def set_progress(self, nbytes: int) -> None:
@@ -172,172 +228,33 @@ class Segment:
         close_map(self.mm)
 
 
-class ProducerArena:
-    """The segments one producer process owns and reuses."""
+_pins: dict[int, HostPin] = {}
+_pins_lock = threading.Lock()
 
-    def __init__(self, max_bytes: int, populate: bool = True, namespace: str = "default") -> None:
-        self.max_bytes = max_bytes
-        self.populate = populate
-        self.pid = os.getpid()
-        self.tag = namespace_tag(namespace)
-        self._segments: list[Segment] = []
-        self._uses = 0
-        self._lock = threading.Lock()
 
-    @property
-    def total_bytes(self) -> int:
-        return sum(s.capacity for s in self._segments)
-
-    def acquire(self, nbytes: int) -> tuple[Segment, bool]:
-        """A segment able to hold ``nbytes``; ``(segment, pooled)``. One-shot when the pool is full."""
-        with self._lock:
-            self._uses += 1
-            best: Segment | None = None
-            for seg in self._segments:
-                if seg.capacity >= nbytes and seg.reusable():
-                    # smallest fit; among equals the most recently used (its pages are
-                    # likely still in the CPU cache, so rewriting them avoids DRAM reads)
-                    if best is None or (seg.capacity, -seg.last_use) < (
-                        best.capacity,
-                        -best.last_use,
-                    ):
-                        best = seg
-            if best is not None:
-                best.set_state(ONESHOT, best.state()[1])  # reserved: not FREE while we write
-                best.last_use = self._uses
-                return best, True
-            cap = size_class(nbytes)
-            pooled = self.total_bytes + cap <= self.max_bytes
-            seg = self._new_segment(cap if pooled else nbytes)
-            seg.set_state(ONESHOT, 0)
-            seg.last_use = self._uses
-            if pooled:
-                self._segments.append(seg)
-            return seg, pooled
-
-    def _new_segment(self, capacity: int) -> Segment:
-        name = f"{SEG_PREFIX}{self.pid}_{self.tag}_{uuid.uuid4().hex[:16]}"
-        fd = _create_file(name, DATA_OFFSET + capacity)
-        try:
-            flags = mmap.MAP_SHARED | (POPULATE if self.populate else 0)
-            mm = mmap.mmap(fd, DATA_OFFSET + capacity, flags=flags)
-        except BaseException:
-            unlink_quiet(name)
-            raise
-        finally:
-            os.close(fd)
-        return Segment(name, capacity, mm)
-
-    def finish_stream(self, seg: Segment, state: int, gen: int) -> None:
-        """Mark a streamed segment terminal; free it at once when its reader gave up."""
-        with self._lock:
-            seg.set_state(state, gen)
-            if seg.full_state()[3] == gen:
-                seg.set_state(FREE, gen)
-
-    def release_unpublished(self, seg: Segment, pooled: bool) -> None:
-        """Undo :meth:`acquire` after a failed write."""
-        if pooled:
-            seg.set_state(FREE, seg.state()[1])
-        else:
-            seg.unmap()
-            unlink_quiet(seg.name)
-
-    def close(self) -> None:
-        with self._lock:
-            segs, self._segments = self._segments, []
-        for seg in segs:
-            seg.unmap()
-            unlink_quiet(seg.name)
+def pin_map(mm: mmap.mmap) -> None:
+    """Register a mapping with CUDA when this process uses CUDA, so copies between it and a
+    GPU run by DMA, asynchronously (undone by :func:`close_map`)."""
+    if not cuda_in_use() or len(mm) == 0:
+        return
+    ref = ctypes.c_char.from_buffer(mm)
+    addr = ctypes.addressof(ref)
+    del ref  # the buffer export would keep the map from closing
+    pin = register_host(addr, len(mm))
+    if pin is not None:
+        with _pins_lock:
+            _pins[id(mm)] = pin
 
 
 def close_map(mm: mmap.mmap) -> None:
+    with _pins_lock:
+        pin = _pins.pop(id(mm), None)
+    if pin is not None:
+        pin.release()
     try:
         mm.close()
     except BufferError:  # views still alive somewhere: the GC unmaps it later
         pass
-
-
-def publish(
-    arena: ProducerArena,
-    index_name: str,
-    frame: codec.Frame,
-    inline_below: int,
-    *,
-    stream: bool = False,
-) -> tuple[int, bytes | None]:
-    """Write ``frame`` and its index entry; return ``(size, inline_bytes_or_None)``.
-
-    With ``stream`` a pooled segment is published as soon as the frame's header
-    is written, and its ``progress`` advances with every packed step. Frames with
-    byte blobs are not streamed: decoding copies blobs, so they must be final first.
-    """
-    size = frame.nbytes
-    if size < inline_below:
-        blob = frame.to_bytearray()
-        _write_index(index_name, b"I" + bytes(blob))
-        return size, bytes(blob)
-    seg, pooled = arena.acquire(size)
-    if stream and pooled and not frame.blobs:
-        _publish_streaming(arena, seg, index_name, frame)
-        return size, None
-    try:
-        frame.pack_into(memoryview(seg.mm)[DATA_OFFSET : DATA_OFFSET + size])
-        gen = seg.state()[1] + 1
-        seg.set_state(PUBLISHED if pooled else ONESHOT, gen)
-        _write_index(index_name, _ref_entry(arena, seg, gen, size, pooled, False))
-    except BaseException:
-        arena.release_unpublished(seg, pooled)
-        raise
-    if not pooled:
-        seg.unmap()  # the reader unlinks a one-shot segment after use
-    return size, None
-
-
-def _ref_entry(
-    arena: ProducerArena, seg: Segment, gen: int, size: int, pooled: bool, stream: bool
-) -> bytes:
-    ref = {"seg": seg.name, "gen": gen, "size": size, "pid": arena.pid, "pooled": pooled}
-    return (b"S" if stream else b"R") + msgpack.packb(ref)
-
-
-def _publish_streaming(
-    arena: ProducerArena, seg: Segment, index_name: str, frame: codec.Frame
-) -> None:
-    size = frame.nbytes
-    steps = frame.iter_pack(memoryview(seg.mm)[DATA_OFFSET : DATA_OFFSET + size])
-    gen = seg.state()[1] + 1
-    published = False
-    try:
-        head = next(steps)
-        seg.set_progress(head)
-        seg.set_state(STREAMING, gen)  # readers check the generation, so it goes last
-        _write_index(index_name, _ref_entry(arena, seg, gen, size, True, True))
-        published = True
-        for done in steps:
-            seg.set_progress(done)
-    except BaseException:
-        if published:
-            arena.finish_stream(seg, ABORTED, gen)  # a reader that claimed it frees it
-        else:
-            arena.release_unpublished(seg, True)
-        raise
-    arena.finish_stream(seg, PUBLISHED, gen)
-
-
-def _write_index(name: str, content: bytes) -> None:
-    tmp = f"{name}.tmp{uuid.uuid4().hex[:12]}"
-    fd = _create_file(tmp, 0)
-    try:
-        os.write(fd, content)
-        os.rename(path(tmp), path(name))
-    except BaseException as e:
-        unlink_quiet(tmp)
-        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-            raise _no_room("an index entry", e) from None
-        raise
-    finally:
-        os.close(fd)
 
 
 def claim_index(name: str) -> bytes | None:
@@ -352,22 +269,6 @@ def claim_index(name: str) -> bytes | None:
             return f.read()
     finally:
         unlink_quiet(claimed)
-
-
-def pid_alive(pid: int) -> bool:
-    """True while process ``pid`` exists and is not a zombie (exited, not yet reaped)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state not in (b"Z", b"X")
 
 
 def _owner_pid(name: str) -> int | None:
@@ -386,8 +287,45 @@ def _owner_pid(name: str) -> int | None:
     return None
 
 
-def sweep_orphans() -> list[str]:
-    """Unlink arena files whose owning process is gone; return their names."""
+def _orphaned(name: str, st: os.stat_result, stale_s: float) -> bool:
+    """Whether the arena file ``name`` (status ``st``) belongs to no live process."""
+    if ".claim" in name or ".tmp" in name:
+        # lives microseconds (claimed, read, unlinked; or written, renamed): a pid in its
+        # name means nothing across PID namespaces, so only its age counts
+        return time.time() - st.st_ctime > stale_s
+    if name.startswith(SEG_PREFIX):
+        return _segment_orphaned(name, _owner_pid(name), stale_s)
+    if name.startswith(IDX_PREFIX):
+        with open(path(name), "rb") as f:
+            entry = f.read()
+        if entry[:1] not in (b"R", b"S"):
+            return False  # inline entries name no owner: their producer withdraws them
+        ref = msgpack.unpackb(entry[1:])
+        seg = ref["seg"]
+        if not isinstance(seg, str) or not seg.startswith(SEG_PREFIX) or "/" in seg:
+            return False
+        return _segment_orphaned(seg, int(ref["pid"]), stale_s)
+    return False
+
+
+def _segment_orphaned(seg: str, pid: int | None, stale_s: float) -> bool:
+    try:
+        words = read_header(seg)
+    except FileNotFoundError:
+        return True  # an index entry whose segment is gone
+    if words is None:  # no header: an older version's file, or one being created
+        return pid is not None and not pid_alive(pid)
+    return not owner_alive(words, pid, stale_s)
+
+
+def sweep_orphans(stale_s: float = STALE_S) -> list[str]:
+    """Unlink this user's arena files whose owner is gone; return their names.
+
+    A segment's owner is gone when its heartbeat is older than ``stale_s`` (or, in our
+    own PID namespace, its pid exited); an index entry goes with its segment; a claim or
+    temporary file once it is ``stale_s`` old. Another user's files are never touched,
+    and a file that cannot be removed is logged and skipped.
+    """
     removed: list[str] = []
     try:
         names = os.listdir(SHM_DIR)
@@ -397,16 +335,18 @@ def sweep_orphans() -> list[str]:
     for name in names:
         if not name.startswith(PREFIX):
             continue
-        pid = _owner_pid(name)
-        if pid is None or pid == os.getpid() or pid_alive(pid):
-            continue
         try:
-            if os.stat(path(name)).st_uid != uid:
-                continue  # another user's file: not ours to judge or remove
+            st = os.lstat(path(name))
+            if st.st_uid != uid or not stat.S_ISREG(st.st_mode):
+                continue  # another user's file, or a planted link: not ours to judge
+            if not _orphaned(name, st, stale_s):
+                continue
             if unlink_quiet(name):
                 removed.append(name)
         except FileNotFoundError:
             continue
+        except (ValueError, KeyError, TypeError, msgpack.UnpackException):
+            continue  # unreadable: not recognisably ours
         except OSError as e:  # never fail an engine start over a file we cannot remove
             logger.warning("left orphaned shared-memory file %s in place: %s", path(name), e)
     return removed

@@ -15,6 +15,13 @@ the frame's header is written; ``get`` still waits for the whole frame, while
 out while the producer writes the next. A stream's ``load(spans)`` reads and
 verifies only the chunks covering ``spans``; ``discard`` frees an entry without
 reading its payload.
+
+Liveness across containers (separate PID namespaces sharing ``/dev/shm``) comes from a
+heartbeat in every segment header, and a reader that dies after claiming a segment
+loses it once its lease goes stale (both after ``heartbeat_stale_s``; see
+:mod:`vllm_omni_kv.backends.shm.liveness`). A waiting consumer extends an unconsumed
+entry's lease with :meth:`SharedMemoryConnector.extend`: it moves the index entry's
+modification time into the future, which the producer reads in ``held_until``.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from typing import Any
 
 from vllm_omni_kv.backends.base import OmniConnectorBase
 from vllm_omni_kv.backends.keys import key_of_request
-from vllm_omni_kv.backends.shm import arena, reader
+from vllm_omni_kv.backends.shm import arena, producer, reader
 from vllm_omni_kv.backends.stats import COMMON, Counters
 from vllm_omni_kv.errors import BackendUnavailable, ConfigError, KVTransferError
 from vllm_omni_kv.logger import init_logger
@@ -62,7 +69,9 @@ class SharedMemoryConnector(OmniConnectorBase):
     producer; default 600), ``verify`` (check checksums on get; default True),
     ``stream`` (publish entries before they are fully written so that
     ``open_stream`` readers overlap their copy with the producer's; default
-    true on x86-64, whose store ordering the protocol relies on).
+    true on x86-64, whose store ordering the protocol relies on),
+    ``heartbeat_stale_s`` (a producer heartbeat or reader lease older than this counts
+    as dead; default 10, at least 3).
     Remote-transport metadata (``source_host``...) is ignored: lookups are by key.
     """
 
@@ -78,12 +87,19 @@ class SharedMemoryConnector(OmniConnectorBase):
             self.threshold = int(self.config.get("shm_threshold_bytes", 65536))
             self.ttl = float(self.config.get("ttl_seconds", 600.0))
             pool_max = int(self.config.get("pool_max_bytes", 1 << 30))
+            self.stale_s = float(self.config.get("heartbeat_stale_s", arena.STALE_S))
         except (TypeError, ValueError) as e:
             raise ConfigError(f"SharedMemoryConnector: bad numeric setting: {e}") from None
         if self.threshold < 0 or self.ttl <= 0 or pool_max < 0:
             raise ConfigError(
                 "SharedMemoryConnector: shm_threshold_bytes and pool_max_bytes must be >= 0 "
                 "and ttl_seconds > 0"
+            )
+        if not self.stale_s >= 3 * arena.HEARTBEAT_S:
+            raise ConfigError(
+                f"SharedMemoryConnector: heartbeat_stale_s must be at least "
+                f"{3 * arena.HEARTBEAT_S:g} seconds (heartbeats are written every "
+                f"{arena.HEARTBEAT_S:g}s), got {self.stale_s!r}"
             )
         self.namespace = str(self.config.get("namespace", "default"))
         self.verify = bool(self.config.get("verify", True))
@@ -97,16 +113,19 @@ class SharedMemoryConnector(OmniConnectorBase):
         self.supports_streaming = self.stream
         self.stage_id = self.config.get("stage_id", -1)
         self.device = self.config.get("device", "cpu")
-        self._arena = arena.ProducerArena(
-            pool_max, populate=bool(self.config.get("populate", True)), namespace=self.namespace
+        self._arena = producer.ProducerArena(
+            pool_max,
+            populate=bool(self.config.get("populate", True)),
+            namespace=self.namespace,
+            stale_s=self.stale_s,
         )
-        self._maps = reader.ConsumerMaps()
+        self._maps = reader.ConsumerMaps(stale_s=self.stale_s)
         self._lock = threading.Lock()
         # index entries this process published and nobody claimed yet: name -> (key, time)
         self._owned: dict[str, tuple[str, float]] = {}
         self._last_sweep = 0.0
         self._stats = Counters(*COMMON)
-        swept = arena.sweep_orphans()
+        swept = arena.sweep_orphans(self.stale_s)
         if swept:
             logger.info("removed %d shared-memory files left by exited processes", len(swept))
         self._closed = False
@@ -125,7 +144,7 @@ class SharedMemoryConnector(OmniConnectorBase):
                 "unconsumed; use a unique key per transfer or cleanup() the old one"
             )
         try:
-            size, inline = arena.publish(
+            size, inline = producer.publish(
                 self._arena, name, codec.encode(data), self.threshold, stream=self.stream
             )
         except BaseException:
@@ -194,6 +213,40 @@ class SharedMemoryConnector(OmniConnectorBase):
             self._stats.add("misses")
         return found
 
+    def extend(
+        self,
+        from_stage: str,
+        to_stage: str,
+        key: str,
+        seconds: float,
+        metadata: dict[str, Any] | None = None,
+    ) -> bool:
+        """Ask the producer to keep the unconsumed entry for ``key`` ``seconds`` longer
+        (from now); False when it is not there. The producer caps it at its ``ttl_seconds``."""
+        self._check_open()
+        name = index_name(self.namespace, from_stage, to_stage, key)
+        until = time.time() + max(0.0, float(seconds))
+        try:
+            st = os.lstat(os.path.join(arena.SHM_DIR, name))
+            if until > st.st_mtime:
+                os.utime(os.path.join(arena.SHM_DIR, name), (st.st_atime, until))
+        except (FileNotFoundError, PermissionError):
+            return False
+        return True
+
+    def held_until(self, from_stage: str, to_stage: str, key: str) -> float | None:
+        """Producer: None once ``key``'s entry is gone (claimed or withdrawn), else the
+        ``time.monotonic()`` a consumer extended it to (``0.0``: never extended)."""
+        return self._extended(index_name(self.namespace, from_stage, to_stage, key))
+
+    def _extended(self, name: str) -> float | None:
+        try:
+            mtime = os.lstat(os.path.join(arena.SHM_DIR, name)).st_mtime
+        except FileNotFoundError:
+            return None
+        ahead = min(mtime - time.time(), self.ttl)
+        return time.monotonic() + ahead if ahead > 0 else 0.0
+
     def _claim(self, name: str, *, complete: bool) -> bytes | None:
         entry: bytes | None = None
         if complete:  # leave a streamed entry in place until its producer is done
@@ -221,7 +274,8 @@ class SharedMemoryConnector(OmniConnectorBase):
         self._last_sweep = now
         self._prune_claimed()
         with self._lock:
-            stale = [n for n, (_k, t) in self._owned.items() if now - t > self.ttl]
+            old = [n for n, (_k, t) in self._owned.items() if now - t > self.ttl]
+        stale = [n for n in old if (self._extended(n) or 0.0) <= now]
         for n in stale:
             self._discard(n, reason=f"unconsumed after {self.ttl:.0f}s")
 
@@ -283,6 +337,8 @@ class SharedMemoryConnector(OmniConnectorBase):
             "namespace": self.namespace,
             "unconsumed": owned,
             "arena_bytes": self._arena.total_bytes,
+            "reclaimed": self._arena.reclaimed,
+            "reader_leases": reader.LEASES.held(),
             **stats,
         }
 

@@ -9,6 +9,11 @@ requested chunks need, verifies each chunk and hands it to the reader while the
 bytes are still in the CPU cache; header and trailer are checked once the
 producer marks the segment done. Relies on stores becoming visible in program
 order (x86-64 TSO); the shared-memory connector streams only on such CPUs.
+
+While a reader holds a claimed segment, a thread of its process renews the segment's
+reader lease every ``HEARTBEAT_S`` (:class:`ReaderLeases`); a producer takes back a
+segment whose lease went stale (its reader died). Whether a producer is alive is read
+from its heartbeat (:func:`~vllm_omni_kv.backends.shm.liveness.owner_alive`).
 """
 
 from __future__ import annotations
@@ -26,6 +31,14 @@ import msgpack
 import numpy as np
 
 from vllm_omni_kv.backends.shm import arena
+from vllm_omni_kv.backends.shm.liveness import (
+    HEARTBEAT_S,
+    STALE_S,
+    W_READER,
+    lease_word,
+    now_ms,
+    owner_alive,
+)
 from vllm_omni_kv.errors import KVPayloadError, KVTransferError, KVTransferTimeout
 from vllm_omni_kv.wire import codec
 from vllm_omni_kv.wire.digests import verify_head
@@ -35,10 +48,11 @@ from vllm_omni_kv.wire.stream import ChunkedStream, CompleteStream, PayloadStrea
 class ConsumerMaps:
     """Mappings of producer segments a consumer has read from, cached by name."""
 
-    def __init__(self, max_maps: int = 64) -> None:
+    def __init__(self, max_maps: int = 64, stale_s: float = STALE_S) -> None:
         self._maps: OrderedDict[str, mmap.mmap] = OrderedDict()
         self._lock = threading.Lock()
         self.max_maps = max_maps
+        self.stale_s = stale_s  # a producer heartbeat older than this is dead
 
     def get(self, name: str) -> mmap.mmap:
         with self._lock:
@@ -57,8 +71,15 @@ class ConsumerMaps:
             mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED | arena.POPULATE)
         finally:
             os.close(fd)
+        arena.pin_map(mm)  # copies into a GPU cache run by DMA, on the load's stream
         with self._lock:
-            self._maps[name] = mm
+            raced = self._maps.get(name)
+            if raced is None:
+                self._maps[name] = mm
+        if raced is not None:  # another thread mapped it meanwhile: keep one mapping
+            arena.close_map(mm)
+            return raced
+        with self._lock:
             while len(self._maps) > self.max_maps:
                 _n, old = self._maps.popitem(last=False)
                 arena.close_map(old)
@@ -75,6 +96,64 @@ class ConsumerMaps:
             maps, self._maps = list(self._maps.values()), OrderedDict()
         for mm in maps:
             arena.close_map(mm)
+
+
+class ReaderLeases:
+    """The segments this process holds as a reader, whose leases a thread renews."""
+
+    def __init__(self) -> None:
+        self._held: dict[tuple[str, int], arena.Segment] = {}
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._pid = 0
+
+    def hold(self, seg: arena.Segment, gen: int) -> None:
+        """Write a fresh lease on generation ``gen`` of ``seg`` and keep renewing it."""
+        seg.words()[W_READER] = lease_word(gen, now_ms())
+        with self._lock:
+            self._held[(seg.name, gen)] = seg
+            if self._thread is None or self._pid != os.getpid():  # none yet, or forked
+                self._pid = os.getpid()
+                self._thread = threading.Thread(
+                    target=self._loop, name="omnikv-shm-reader-lease", daemon=True
+                )
+                self._thread.start()
+
+    def drop(self, seg: arena.Segment, gen: int) -> None:
+        with self._lock:
+            self._held.pop((seg.name, gen), None)
+
+    def held(self) -> int:
+        with self._lock:
+            return len(self._held)
+
+    def renew(self) -> None:
+        """Renew every lease still on its generation; forget the others."""
+        ms = now_ms()
+        with self._lock:
+            items = list(self._held.items())
+        for (_name, gen), seg in items:
+            try:
+                if seg.state()[1] != gen:  # taken back and reused: no longer ours
+                    self.drop(seg, gen)
+                    continue
+                seg.words()[W_READER] = lease_word(gen, ms)
+            except (ValueError, OSError):  # mapping closed at interpreter exit
+                self.drop(seg, gen)
+
+    def _loop(self) -> None:
+        while True:
+            time.sleep(HEARTBEAT_S)
+            self.renew()
+
+
+#: this process's reader leases
+LEASES = ReaderLeases()
+
+
+def producer_alive(seg: arena.Segment, ref: Ref, maps: ConsumerMaps) -> bool:
+    """Whether the producer that wrote ``seg`` is alive (its heartbeat; see liveness)."""
+    return owner_alive(seg.words().tolist(), ref.pid, maps.stale_s)
 
 
 def peek_index(name: str) -> bytes | None:
@@ -144,10 +223,11 @@ def entry_complete(entry: bytes, maps: ConsumerMaps) -> bool:
     if ref is None or not ref.stream:
         return True
     try:
-        streaming = map_segment(ref, maps).state()[0] == arena.STREAMING
+        seg = map_segment(ref, maps)
     except (KVPayloadError, KVTransferError):
         return True  # claiming it reports the error
-    return not streaming or not arena.pid_alive(ref.pid)  # a dead writer: claim it to report that
+    streaming = seg.state()[0] == arena.STREAMING
+    return not streaming or not producer_alive(seg, ref, maps)  # dead writer: claim, report
 
 
 def read_entry(entry: bytes, maps: ConsumerMaps, verify: bool = True) -> tuple[Any, int]:
@@ -157,12 +237,13 @@ def read_entry(entry: bytes, maps: ConsumerMaps, verify: bool = True) -> tuple[A
         body = entry[1:]
         return codec.decode(body, verify=verify), len(body)
     seg = map_segment(ref, maps)
+    LEASES.hold(seg, ref.gen)
     state = seg.state()[0]
     if state not in (arena.PUBLISHED, arena.ONESHOT):
         release_claimed(seg, ref, maps)
         if state == arena.ABORTED:
             raise KVTransferError(f"the producer of segment {ref.seg} failed while writing it")
-        if state == arena.STREAMING and not arena.pid_alive(ref.pid):
+        if state == arena.STREAMING and not producer_alive(seg, ref, maps):
             raise KVTransferError(
                 f"the producer (pid {ref.pid}) exited while writing segment {ref.seg}"
             )
@@ -189,6 +270,7 @@ def release_claimed(
     Leaves it alone once it no longer holds ``ref``'s generation in a claimed
     state (someone else released it, or its producer reserved it again).
     """
+    LEASES.drop(seg, ref.gen)
     try:
         state, gen = seg.state()
         if gen != ref.gen:
@@ -234,7 +316,8 @@ class ShmFrameStream(ChunkedStream):
     count_chunks = True
 
     def __init__(self, seg: arena.Segment, ref: Ref, maps: ConsumerMaps, verify: bool) -> None:
-        self._seg, self._ref = seg, ref
+        self._seg, self._ref, self._maps = seg, ref, maps
+        LEASES.hold(seg, ref.gen)
         self._dead = [False]
         self._check_head = verify
         window = np.frombuffer(seg.mm, dtype=np.uint8, count=ref.size, offset=arena.DATA_OFFSET)
@@ -277,7 +360,7 @@ class ShmFrameStream(ChunkedStream):
                 raise self._timeout(progress)
             if now >= next_alive:
                 next_alive = now + ALIVE_EVERY_S
-                if not arena.pid_alive(self._ref.pid):
+                if not producer_alive(self._seg, self._ref, self._maps):
                     self._dead[0] = True
                     raise KVTransferError(
                         f"the producer (pid {self._ref.pid}) exited while writing segment "
@@ -325,8 +408,8 @@ class ShmFrameStream(ChunkedStream):
 def open_entry_stream(entry: bytes, maps: ConsumerMaps, verify: bool) -> PayloadStream:
     """A stream over a claimed index entry (inline entries give a ``CompleteStream``)."""
     ref = parse_ref(entry)
-    if ref is None:
-        return CompleteStream(*read_entry(entry, maps, verify=verify))
+    if ref is None:  # the frame is the entry's body: keep it so the stream can be authenticated
+        return CompleteStream(*read_entry(entry, maps, verify=verify), frame=entry[1:])
     seg = map_segment(ref, maps)
     if not ref.stream and seg.state()[0] not in (arena.PUBLISHED, arena.ONESHOT):
         return CompleteStream(*read_entry(entry, maps, verify=verify))  # reports why

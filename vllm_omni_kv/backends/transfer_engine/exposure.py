@@ -2,7 +2,8 @@
 
 Every ``put`` creates an :class:`Exposure` identified by a random token. A
 receiver ``acquire``s a lease (so the TTL sweep cannot free the block under an
-in-flight pull), pulls, then ``release``s it by the lease id; the reply tells it
+in-flight pull), pulls, then ``release``s it by the lease id; a consumer still waiting
+to pull may ``extend`` the block's lifetime (bounded by the TTL per call); the reply tells it
 whether the block stayed live for the whole pull. The token is never disclosed by
 ``acquire``: only a pull planned from the producer's put metadata releases by it. A block is freed after ``max_pulls`` successful
 pulls (``0``: only by cleanup / TTL), when its TTL passes with no lease held,
@@ -43,6 +44,7 @@ class Exposure:
     leases: dict[str, float] = field(default_factory=dict)  # lease id -> deadline
     holders: dict[str, str] = field(default_factory=dict)  # receiver id -> its lease id
     retired: bool = False
+    extended: float = 0.0  # the monotonic deadline a consumer extended its lease to
 
 
 def _forget_holder(e: Exposure, lease: str | None) -> None:
@@ -185,6 +187,24 @@ class ExposureTable:
                     self.expired += 1
                     logger.info("buffer %r was not pulled within %.0fs; freed", e.key, self.ttl_s)
                     self._free_locked(e)
+
+    def extend(self, key: str, seconds: float) -> dict[str, Any]:
+        """A waiting consumer keeps ``key`` for ``seconds`` more (the caller bounds them);
+        the block's TTL is pushed out as far."""
+        with self._lock:
+            e = self._by_token.get(self._by_key.get(key, ""))
+            if e is None or e.retired:
+                return {"ok": False, "reason": "not_found"}
+            until = time.monotonic() + seconds
+            e.extended = max(e.extended, until)
+            e.expires = max(e.expires, until)
+            return {"ok": True, "seconds": seconds}
+
+    def held_until(self, key: str) -> float | None:
+        """None when ``key`` is no longer exposed, else its extension deadline (0.0: none)."""
+        with self._lock:
+            e = self._by_token.get(self._by_key.get(key, ""))
+            return None if e is None or e.retired else e.extended
 
     # -- owner operations ------------------------------------------------------------
     def retain(self, key: str, pulls: int) -> bool:

@@ -21,7 +21,8 @@ Data path (sender -> receiver):
    ``cleanup``/TTL), so one sender can feed N receivers. ``discard`` acquires
    and releases without pulling.
 
-Buffers never pulled are freed ``buffer_ttl_s`` after ``put``.
+Buffers never pulled are freed ``buffer_ttl_s`` after ``put``, or after the last
+``extend`` a waiting consumer sent (each extends by at most ``buffer_ttl_s``).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from vllm_omni_kv.backends.transfer_engine.side_channel import (
 from vllm_omni_kv.backends.transfer_engine.staging import sized, stage_in_pool
 from vllm_omni_kv.errors import ConfigError, KVTransferError, KVTransferTimeout
 from vllm_omni_kv.logger import init_logger
+from vllm_omni_kv.wire.auth import auth_of
 from vllm_omni_kv.wire.stream import PayloadStream
 
 logger = init_logger(__name__)
@@ -97,6 +99,7 @@ class PullTransferConnector(OmniConnectorBase):
             raise ConfigError(
                 "max_pulls >= 0, buffer_ttl_s > 0 and transfer_timeout_s > 0 required"
             )
+        self.auth = auth_of(cfg)  # side-channel MACs (frames are keyed by the session)
         self.pool_device = str(cfg.get("memory_pool_device", "cpu"))
         self.engine_id = uuid.uuid4().hex
         self.sender_host: str | None = cfg.get("sender_host")
@@ -127,9 +130,10 @@ class PullTransferConnector(OmniConnectorBase):
                     self._handle,
                     on_idle=self._exposed.sweep,
                     idle_interval_s=min(0.5, self.buffer_ttl_s / 4),
+                    auth=self.auth,
                 )
                 self.zmq_port = self._server.port
-            self._client = SideChannelClient(self.side_channel_timeout_s)
+            self._client = SideChannelClient(self.side_channel_timeout_s, auth=self.auth)
             self._executor = cf.ThreadPoolExecutor(4, thread_name_prefix="omnikv-pull")
             self._puller = Puller(self.engine, self._executor, self.transfer_timeout_s)
         except BaseException:
@@ -201,9 +205,18 @@ class PullTransferConnector(OmniConnectorBase):
                 None if lease is None else str(lease),
                 bool(msg.get("success", True)),
             )
+        if op == "extend":  # like acquire: at most buffer_ttl_s past the last call
+            s = msg.get("lease_s")
+            if not isinstance(s, int | float) or not 0 < s < math.inf:
+                return {"ok": False, "reason": "error", "error": "lease_s must be positive"}
+            return self._exposed.extend(str(msg.get("key", "")), min(s, self.buffer_ttl_s))
         if op == "ping":
             return {"ok": True, "engine_id": self.engine_id, "session": self.engine.session}
         return {"ok": False, "reason": "error", "error": f"unknown side-channel op {op!r}"}
+
+    def held_until(self, from_stage: str, to_stage: str, key: str) -> float | None:
+        """None once ``key`` is no longer exposed; else the deadline a consumer extended it to."""
+        return self._exposed.held_until(edge_key(key, from_stage, to_stage))
 
     def retain(self, from_stage: str, to_stage: str, put_key: str, pulls: int = 1) -> bool:
         """Allow ``pulls`` more receivers to pull ``put_key`` (and restart its TTL)."""
@@ -373,6 +386,27 @@ class PullTransferConnector(OmniConnectorBase):
         md, lease_id = found
         self._release_remote(endpoint, bkey, md.get("token", ""), lease_id, success=True)
         return True
+
+    def extend(
+        self,
+        from_stage: str,
+        to_stage: str,
+        key: str,
+        seconds: float,
+        metadata: dict[str, Any] | None = None,
+    ) -> bool:
+        """Ask the sender to keep ``key`` ``seconds`` longer (it caps them at its
+        ``buffer_ttl_s``); False when it is not there or the sender did not answer."""
+        self._check_get()
+        endpoint = self._endpoint(metadata)
+        assert self._client is not None
+        msg = {"op": "extend", "key": edge_key(key, from_stage, to_stage), "lease_s": seconds}
+        try:
+            reply = self._client.request(endpoint, msg)
+        except KVTransferError as e:
+            logger.debug("extending %r at %s: %s", key, endpoint, e)
+            return False
+        return bool(reply.get("ok"))
 
     def _timed_out(self, err: KVTransferTimeout) -> None:
         self._stats.add("timeouts")

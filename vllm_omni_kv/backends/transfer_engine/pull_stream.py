@@ -76,11 +76,15 @@ class Puller:
         what: str,
         keep: Any = None,
         on_abandon: Callable[[], None] | None = None,
+        track: list[cf.Future[None]] | None = None,
     ) -> None:
+        """``track``: the read's future is appended to it (to wait for abandoned reads)."""
         try:
             fut = self.executor.submit(_engine_read, self.engine, session, local, remote, n, keep)
         except RuntimeError:
             raise KVTransferError("the connector is closed; create a new one") from None
+        if track is not None:
+            track.append(fut)
         limit = min(deadline, time.monotonic() + self.timeout_s)
         while True:
             now = time.monotonic()
@@ -91,6 +95,9 @@ class Puller:
             except cf.TimeoutError:
                 pass
             except Exception as e:
+                # the future holds ``e``, whose traceback holds this frame (and ``keep``):
+                # drop it so the destination is freed by reference counting, not a GC cycle
+                del fut
                 raise PullFailed(f"pull of {what} ({n} bytes) from {session} failed: {e}") from None
             cancelled = cancel is not None and cancel.is_set()
             if cancelled or time.monotonic() >= limit:
@@ -135,7 +142,8 @@ class PullFrameStream(ChunkedStream):
         cancel: threading.Event | None = None,
     ) -> None:
         self._puller, self._session, self._src, self._lease = puller, session, src_addr, lease
-        self._what = what
+        self._what, self._local = what, local
+        self._reads: list[cf.Future[None]] = []  # engine reads into ``local``
         view = (ctypes.c_char * size).from_address(local.address)
         weakref.finalize(view, local.release)  # with the last view (and the last engine read)
         self._view: Any = view
@@ -158,11 +166,35 @@ class PullFrameStream(ChunkedStream):
         except BaseException:
             self._lease.end(False)
             self.close()
+            self._release_when_idle()
             raise
+
+    def _release_when_idle(self) -> None:
+        """Free the receive block of a stream that failed to open (nothing of it was handed
+        out) once the last engine read into it has ended. Waiting for the last view would
+        hold it for as long as the failed read's traceback lives (a reference cycle:
+        seen holding a killed producer's frame until the pool ran out)."""
+        local, pending = self._local, [f for f in self._reads if not f.done()]
+        self._reads = []
+        if not pending:
+            local.release()
+            return
+        left, lock = [len(pending)], threading.Lock()
+
+        def ended(_f: cf.Future[None]) -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                local.release()
+
+        for f in pending:
+            f.add_done_callback(ended)
 
     def _pull(self, start: int, end: int, deadline: float, cancel: threading.Event | None) -> None:
         if end <= start:
             return
+        self._reads = [f for f in self._reads if not f.done()]
         self._puller.read(
             self._session,
             self._base + start,
@@ -172,6 +204,7 @@ class PullFrameStream(ChunkedStream):
             cancel,
             what=self._what,
             keep=self._view,
+            track=self._reads,
         )
         self.moved += end - start
 

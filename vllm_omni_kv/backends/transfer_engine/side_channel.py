@@ -5,21 +5,37 @@ uses a REQ socket per (thread, endpoint) with ``RCVTIMEO``/``SNDTIMEO`` so a
 dead or stuck peer surfaces as :class:`KVTransferTimeout` instead of a hang.
 After a timeout the REQ socket is discarded (its state machine is stuck) and a
 fresh one is made on the next call. Messages are msgpack maps only (no pickle).
+
+With an auth key (:mod:`vllm_omni_kv.wire.auth`) on both ends, every message is
+its msgpack body followed by a 32-byte keyed BLAKE2b MAC (distinct keys for
+requests and replies). A request also carries ``_ts`` (the sender's wall clock)
+and ``_nonce`` (16 random bytes): the server refuses a request whose MAC does
+not match, whose ``_ts`` is more than :data:`MAX_SKEW_S` away from its own clock,
+or whose nonce it has already seen (a replay), answering ``{"ok": False,
+"reason": "unauthenticated"}`` without running the handler. Replies echo the
+request's nonce under their MAC, so a client accepts only the reply to its own
+request. A reply that fails this, or a refusal as unauthenticated, raises
+:class:`KVPayloadError` at the client (refused, not retried: the keys differ).
 """
 
 from __future__ import annotations
 
+import hmac
+import math
+import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 import msgpack
 import zmq
 
-from vllm_omni_kv.errors import KVTransferError, KVTransferTimeout
+from vllm_omni_kv.errors import KVPayloadError, KVTransferError, KVTransferTimeout
 from vllm_omni_kv.kvcache.kv_utils import kv_zmq_port, sender_rank_port
 from vllm_omni_kv.logger import init_logger
+from vllm_omni_kv.wire.auth import ENV_KEY_FILE, MESSAGE_MAC_SIZE, AuthKey
 
 logger = init_logger(__name__)
 
@@ -32,11 +48,25 @@ MAX_MESSAGE = 1 << 20
 MAX_RATE = 20000.0
 #: ops answered even when over the rate (ending a pull must never fail for load)
 EXEMPT_OPS = frozenset({"release"})
+#: a keyed request whose ``_ts`` is further than this from the server's clock is refused
+MAX_SKEW_S = 30.0
+#: nonces a keyed server remembers (each for ``2 * MAX_SKEW_S``); beyond this it answers busy
+MAX_NONCES = 1 << 18
+NONCE_SIZE = 16
 
 
-def pack(msg: dict[str, Any]) -> bytes:
+def pack(msg: dict[str, Any], auth: AuthKey | None = None, *, reply: bool = False) -> bytes:
+    """A message's bytes: msgpack, followed by its MAC when ``auth`` is given."""
     out: bytes = msgpack.packb(msg, use_bin_type=True)
-    return out
+    return out if auth is None else out + auth.message_mac(out, reply=reply)
+
+
+def authenticated_body(raw: bytes, auth: AuthKey, *, reply: bool = False) -> bytes | None:
+    """The msgpack body of a keyed message, or None when its MAC does not match."""
+    if len(raw) <= MESSAGE_MAC_SIZE:
+        return None
+    body, mac = raw[:-MESSAGE_MAC_SIZE], raw[-MESSAGE_MAC_SIZE:]
+    return body if hmac.compare_digest(auth.message_mac(body, reply=reply), mac) else None
 
 
 def unpack(raw: bytes) -> dict[str, Any]:
@@ -67,8 +97,13 @@ class SideChannelServer:
         idle_interval_s: float = 0.2,
         name: str = "omnikv-side-channel",
         max_rate: float = MAX_RATE,
+        auth: AuthKey | None = None,
     ) -> None:
         self._handler = handler
+        self._auth = auth
+        self._nonces: set[bytes] = set()
+        self._nonce_expiry: deque[tuple[float, bytes]] = deque()
+        self._refusal_logged = -math.inf
         self._rate = float(max_rate)
         self._tokens = self._rate
         self._refilled = time.monotonic()
@@ -137,8 +172,18 @@ class SideChannelServer:
         now = time.monotonic()
         self._tokens = min(self._rate, self._tokens + (now - self._refilled) * self._rate)
         self._refilled = now
+        nonce: bytes | None = None
         try:
-            msg = unpack(payload)
+            if self._auth is not None:
+                msg, nonce, refusal = self._open_keyed(payload, now)
+                if refusal is not None:
+                    if now - self._refusal_logged >= 10.0:  # at most one warning per 10 s
+                        self._refusal_logged = now
+                        logger.warning("side channel refused a request: %s", refusal.get("error"))
+                    self._reply(ident, refusal, None)
+                    return
+            else:
+                msg = unpack(payload)
             if self._tokens < 1 and msg.get("op") not in EXEMPT_OPS:
                 reply = {"ok": False, "reason": "busy"}
             else:
@@ -150,10 +195,56 @@ class SideChannelServer:
         except Exception as e:
             logger.exception("side-channel handler failed")
             reply = {"ok": False, "reason": "error", "error": f"{type(e).__name__}: {e}"}
+        self._reply(ident, reply, nonce)
+
+    def _reply(self, ident: bytes, reply: dict[str, Any], nonce: bytes | None) -> None:
+        """Send ``reply``; keyed (echoing ``nonce``) when the request was authenticated."""
+        if nonce is not None and self._auth is not None:
+            raw = pack({**reply, "_nonce": nonce}, self._auth, reply=True)
+        else:
+            raw = pack(reply)
         try:
-            self._sock.send_multipart([ident, b"", pack(reply)], zmq.NOBLOCK)
+            self._sock.send_multipart([ident, b"", raw], zmq.NOBLOCK)
         except zmq.ZMQError as e:  # the requester went away; nothing to do
             logger.debug("side-channel reply dropped: %s", e)
+
+    def _open_keyed(
+        self, payload: bytes, now: float
+    ) -> tuple[dict[str, Any], bytes | None, dict[str, Any] | None]:
+        """``(request, nonce, None)`` for an authenticated fresh request, else
+        ``({}, None, refusal)``. Malformed bodies under a valid MAC raise KVTransferError."""
+        assert self._auth is not None
+
+        def refuse(why: str) -> tuple[dict[str, Any], None, dict[str, Any]]:
+            return {}, None, {"ok": False, "reason": "unauthenticated", "error": why}
+
+        body = authenticated_body(payload, self._auth)
+        if body is None:
+            return refuse(
+                "request not authenticated: its MAC is missing or made with another key; "
+                f"give every stage the same auth_key_file (or {ENV_KEY_FILE})"
+            )
+        msg = unpack(body)
+        ts, nonce = msg.pop("_ts", None), msg.pop("_nonce", None)
+        if not isinstance(nonce, bytes) or len(nonce) != NONCE_SIZE:
+            return refuse("request not authenticated: it carries no valid nonce")
+        if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts):
+            return refuse("request not authenticated: it carries no valid timestamp")
+        skew = ts - time.time()
+        if abs(skew) > MAX_SKEW_S:
+            return refuse(
+                f"request refused: its timestamp is {skew:+.1f}s from this host's clock (at "
+                f"most {MAX_SKEW_S:g}s allowed): a replayed request, or clocks out of sync"
+            )
+        while self._nonce_expiry and self._nonce_expiry[0][0] <= now:
+            self._nonces.discard(self._nonce_expiry.popleft()[1])
+        if nonce in self._nonces:
+            return refuse("request refused: its nonce was already used (a replayed request)")
+        if len(self._nonces) >= MAX_NONCES:
+            return {}, None, {"ok": False, "reason": "busy"}
+        self._nonces.add(nonce)
+        self._nonce_expiry.append((now + 2 * MAX_SKEW_S, nonce))
+        return msg, nonce, None
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the thread and close the socket; idempotent."""
@@ -168,10 +259,16 @@ class SideChannelServer:
 
 
 class SideChannelClient:
-    """Thread-safe request/reply client with a per-request deadline."""
+    """Thread-safe request/reply client with a per-request deadline (keyed with ``auth``)."""
 
-    def __init__(self, timeout_s: float = 5.0, ctx: zmq.Context[Any] | None = None) -> None:
+    def __init__(
+        self,
+        timeout_s: float = 5.0,
+        ctx: zmq.Context[Any] | None = None,
+        auth: AuthKey | None = None,
+    ) -> None:
         self.timeout_s = timeout_s
+        self._auth = auth
         self._own_ctx = ctx is None
         self._ctx = ctx or zmq.Context()
         self._local = threading.local()
@@ -212,8 +309,13 @@ class SideChannelClient:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         timeout_ms = max(1, int(timeout * 1000))
         sock = self._socket(endpoint, timeout_ms)
+        nonce = os.urandom(NONCE_SIZE)
+        if self._auth is not None:
+            out = pack({**msg, "_ts": time.time(), "_nonce": nonce}, self._auth)
+        else:
+            out = pack(msg)
         try:
-            sock.send(pack(msg))
+            sock.send(out)
             raw = sock.recv()
         except zmq.Again:
             self._drop(endpoint)
@@ -224,7 +326,41 @@ class SideChannelClient:
         except zmq.ZMQError as e:
             self._drop(endpoint)
             raise KVTransferError(f"side-channel request to {endpoint} failed: {e}") from None
-        return unpack(raw)
+        if self._auth is None:
+            reply = unpack(raw)
+            if reply.get("reason") == "unauthenticated":
+                raise KVPayloadError(
+                    f"the sender at {endpoint} refused the request ({reply.get('error')}): it "
+                    f"requires an auth key; set the same auth_key_file (or {ENV_KEY_FILE}) here"
+                )
+            return reply
+        return self._keyed_reply(endpoint, raw, nonce)
+
+    def _keyed_reply(self, endpoint: str, raw: bytes, nonce: bytes) -> dict[str, Any]:
+        assert self._auth is not None
+        body = authenticated_body(raw, self._auth, reply=True)
+        if body is None:
+            try:
+                plain = unpack(raw)
+            except KVTransferError:
+                plain = {}
+            why = (
+                f": it refused the request ({plain.get('error')})"
+                if plain.get("reason") == "unauthenticated"
+                else ""
+            )
+            raise KVPayloadError(
+                f"side-channel reply from {endpoint} is not authenticated{why}; the sender "
+                f"has no auth key or another one: give every stage the same auth_key_file "
+                f"(or {ENV_KEY_FILE})"
+            )
+        reply = unpack(body)
+        if reply.pop("_nonce", None) != nonce:
+            raise KVPayloadError(
+                f"side-channel reply from {endpoint} does not answer this request (a replayed "
+                "or misrouted reply)"
+            )
+        return reply
 
     def close(self) -> None:
         with self._lock:
@@ -239,24 +375,28 @@ class SideChannelClient:
 
 
 def sender_zmq_port(config: dict[str, Any]) -> int:
-    """This sender's side-channel port.
+    """This sender's side-channel port; 0 binds a free one (advertised in put metadata).
 
-    Without ``from_stage`` (or ``stage_id``): ``sender_rank_port(zmq_port, local_rank)``;
-    with it, ``kv_zmq_port(zmq_port, stage, local_rank, replica_id)`` spreads stages,
-    ranks and replicas over distinct ports (ranks by the same stride). ``zmq_port=0``
-    picks a free port.
+    Without ``from_stage`` (or ``stage_id``): ``sender_rank_port(zmq_port, local_rank)``
+    when ``zmq_port`` is set, else 0, so that servers sharing a host never collide (the
+    vLLM connector advertises the bound port in ``kv_transfer_params``). With a stage
+    (vllm-omni's scheme, where receivers derive the port), ``kv_zmq_port(zmq_port, stage,
+    local_rank, replica_id)`` from ``zmq_port`` (default 50051) spreads stages, ranks and
+    replicas over distinct ports. ``zmq_port=0`` always picks a free port.
     """
-    base = int(config.get("zmq_port", 50051))
-    stage = config.get("from_stage", config.get("stage_id"))
+    raw_stage = config.get("from_stage", config.get("stage_id"))
+    stage = -1 if raw_stage is None else int(raw_stage)
+    raw = config.get("zmq_port")
+    base = int(raw) if raw is not None else (50051 if stage >= 0 else 0)
     if base == 0:
         return 0
-    if stage is None or int(stage) < 0:
+    if stage < 0:
         return sender_rank_port(base, int(config.get("local_rank", 0)))
 
     replica = config.get("replica_id")
     return kv_zmq_port(
         base,
-        int(stage),
+        stage,
         int(config.get("local_rank", 0)),
         None if replica is None else int(replica),
     )

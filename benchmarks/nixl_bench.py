@@ -1,0 +1,230 @@
+"""The nixl backend's put + pull against NIXL's own transfer of the same bytes, same run.
+
+    python benchmarks/nixl_bench.py           # 16, 64, 256 MiB -> results/nixl_bench.{json,png}
+    python benchmarks/nixl_bench.py --quick   # 1 and 4 MiB, for smoke tests
+
+A sender process runs a ``NixlConnector`` (role sender); this process runs a receiver
+connector and, beside it, a bare NIXL agent. Each repeat: the sender ``put``\\ s a
+frame (a dict holding one uint8 tensor: packed into its registered pool with xxh3
+digests, timed in the sender); the bare agent reads the frame's bytes straight out of
+the sender's pool with one NIXL ``READ`` (``raw``: the engine's own limit, nothing of
+ours); then the receiver ``get``\\ s it (lease over the side channel, ranged pulls,
+checksum verification, release). A ``memcpy`` of the same bytes (torch ``copy_``)
+gives the machine's copy speed. Rows report medians after one warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import sys
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vllm_omni_kv.backends.nixl.connector import NixlConnector
+from vllm_omni_kv.backends.nixl.engine import MD_OP, import_nixl
+from vllm_omni_kv.backends.transfer_engine.side_channel import SideChannelClient
+
+RESULTS = Path(__file__).parent / "results"
+MIB = 1 << 20
+
+
+def _config(role: str, pool: int) -> dict[str, Any]:
+    return {
+        "role": role,
+        "host": "127.0.0.1",
+        "zmq_port": 0,
+        "memory_pool_size": pool,
+        "transfer_timeout_s": 60.0,
+        "max_pulls": 1,
+    }
+
+
+def sender_main(conn: Connection, pool: int) -> None:
+    """Child: a sender connector; ``("put", key, nbytes)`` -> ``(meta, put_seconds)``."""
+    c = NixlConnector(_config("sender", pool))
+    conn.send({"host": c.host, "port": c.zmq_port})
+    while True:
+        msg = conn.recv()
+        if msg[0] == "exit":
+            break
+        _op, key, nbytes = msg
+        data = {"kv": torch.randint(0, 256, (nbytes,), dtype=torch.uint8)}
+        t0 = time.perf_counter()
+        ok, size, meta = c.put("0", "1", key, data)
+        conn.send((meta, time.perf_counter() - t0, size, ok))
+    c.close()
+
+
+class RawReader:
+    """A bare NIXL agent reading a sender's pool (the engine's own transfer, nothing of ours)."""
+
+    def __init__(self, nbytes: int) -> None:
+        agent_cls, config_cls, _sync = import_nixl()
+        self.agent = agent_cls("bench-raw", config_cls(backends=["UCX"]))
+        self.buf = torch.empty(nbytes, dtype=torch.uint8)
+        self.reg = self.agent.register_memory([(self.buf.data_ptr(), nbytes, 0, "")], "DRAM")
+        self.peers: dict[str, str] = {}
+
+    def read(self, endpoint: str, agent_name: str, src: int, n: int) -> float:
+        if agent_name not in self.peers:
+            client = SideChannelClient(5.0)
+            try:
+                md = client.request(endpoint, {"op": MD_OP})
+            finally:
+                client.close()
+            self.peers[agent_name] = self.agent.add_remote_agent(bytes(md["metadata"]))
+        t0 = time.perf_counter()
+        local = self.agent.get_xfer_descs([(self.buf.data_ptr(), n, 0)], "DRAM")
+        remote = self.agent.get_xfer_descs([(src, n, 0)], "DRAM")
+        h = self.agent.initialize_xfer("READ", local, remote, agent_name)
+        state = self.agent.transfer(h)
+        while state == "PROC":
+            state = self.agent.check_xfer_state(h)
+        dt = time.perf_counter() - t0
+        if state != "DONE":
+            raise RuntimeError(f"raw NIXL read failed: {state}")
+        h.release()
+        return dt
+
+    def close(self) -> None:
+        self.agent.deregister_memory(self.reg)
+
+
+def _memcpy_s(nbytes: int) -> float:
+    a = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    t0 = time.perf_counter()
+    b.copy_(a)
+    return time.perf_counter() - t0
+
+
+def run(sizes: list[int], repeats: int) -> dict[str, Any]:
+    torch.set_num_threads(1)  # a memcpy is one thread; OpenMP spinning would starve NIXL's
+    pool = max(sizes) + 8 * MIB
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=sender_main, args=(child, pool), daemon=True)
+    proc.start()
+    child.close()
+    rows: list[dict[str, Any]] = []
+    try:
+        info = parent.recv()
+        endpoint = f"tcp://{info['host']}:{info['port']}"
+        receiver = NixlConnector(_config("receiver", pool))
+        raw = RawReader(pool)
+        try:
+            for nbytes in sizes:
+                samples: dict[str, list[float]] = {"put": [], "pull": [], "raw": [], "memcpy": []}
+                frame = 0
+                for rep in range(repeats + 1):
+                    parent.send(("put", f"b{nbytes}-{rep}", nbytes))
+                    meta, put_s, frame, ok = parent.recv()
+                    assert ok
+                    agent_name = str(meta["session"]).rpartition("@")[0]
+                    raw_s = raw.read(endpoint, agent_name, int(meta["src_addr"]), frame)
+                    t0 = time.perf_counter()
+                    got = receiver.get("0", "1", f"b{nbytes}-{rep}", meta)
+                    pull_s = time.perf_counter() - t0
+                    assert got is not None and got[0]["kv"].numel() == nbytes
+                    del got
+                    if rep:  # the first round warms pools, connections and caches
+                        samples["put"].append(put_s)
+                        samples["pull"].append(pull_s)
+                        samples["raw"].append(raw_s)
+                        samples["memcpy"].append(_memcpy_s(frame))
+                med = {k: statistics.median(v) for k, v in samples.items()}
+                gbps = {k: frame / v / 1e9 for k, v in med.items()}
+                rows.append(
+                    {
+                        "mib": nbytes // MIB,
+                        "frame_bytes": frame,
+                        "put_ms": med["put"] * 1e3,
+                        "pull_ms": med["pull"] * 1e3,
+                        "put_pull_ms": (med["put"] + med["pull"]) * 1e3,
+                        "raw_nixl_ms": med["raw"] * 1e3,
+                        "memcpy_ms": med["memcpy"] * 1e3,
+                        "pull_gbps": gbps["pull"],
+                        "raw_nixl_gbps": gbps["raw"],
+                        "memcpy_gbps": gbps["memcpy"],
+                        "pull_vs_raw": med["raw"] / med["pull"],
+                        "put_pull_vs_raw": med["raw"] / (med["put"] + med["pull"]),
+                        "repeats": repeats,
+                    }
+                )
+                print(json.dumps(rows[-1]), flush=True)
+        finally:
+            raw.close()
+            receiver.close()
+    finally:
+        parent.send(("exit",))
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    return {
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            # other work on the host skews every column; recorded so runs can be compared
+            "loadavg_1m_at_end": os.getloadavg()[0],
+        },
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "rows": rows,
+    }
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    labels = [f"{r['mib']} MiB" for r in rows]
+    x = range(len(rows))
+    w = 0.2
+    fig, ax = plt.subplots(figsize=(7, 4))
+    series = [
+        ("memcpy_gbps", "memcpy (same bytes)"),
+        ("raw_nixl_gbps", "raw NIXL READ"),
+        ("pull_gbps", "nixl backend pull (get)"),
+    ]
+    for i, (key, label) in enumerate(series):
+        ax.bar([p + (i - 1) * w for p in x], [r[key] for r in rows], w, label=label)
+    put_pull = [r["frame_bytes"] / (r["put_pull_ms"] / 1e3) / 1e9 for r in rows]
+    ax.bar([p + 2 * w for p in x], put_pull, w, label="nixl backend put + pull")
+    ax.set_xticks(list(x), labels)
+    ax.set_ylabel("GB/s (frame bytes / median time)")
+    ax.set_title("NIXL/UCX on one host: backend vs raw engine vs memcpy")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="1 and 4 MiB, 2 repeats")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    a = ap.parse_args()
+    sizes = [1 * MIB, 4 * MIB] if a.quick else [16 * MIB, 64 * MIB, 256 * MIB]
+    result = run(sizes, 2 if a.quick else a.repeats)
+    a.out.mkdir(parents=True, exist_ok=True)
+    name = "nixl_bench_quick" if a.quick else "nixl_bench"
+    (a.out / f"{name}.json").write_text(json.dumps(result, indent=2))
+    plot(result, a.out / f"{name}.png")
+    print(f"wrote {a.out / name}.json and .png")
+
+
+if __name__ == "__main__":
+    main()

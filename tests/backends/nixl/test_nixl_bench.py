@@ -1,0 +1,29 @@
+"""``benchmarks/nixl_bench.py --quick`` runs end to end and writes its JSON and plot."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("nixl", reason="nixl is not installed (pip install nixl)")
+
+pytestmark = [pytest.mark.slow, pytest.mark.nixl]
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def test_nixl_bench_quick_writes_json_and_plot(tmp_path: Path) -> None:
+    cmd = [sys.executable, str(REPO / "benchmarks" / "nixl_bench.py"), "--quick"]
+    r = subprocess.run([*cmd, "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads((tmp_path / "nixl_bench_quick.json").read_text())
+    assert [row["mib"] for row in result["rows"]] == [1, 4]
+    for row in result["rows"]:
+        # a frame is the payload plus its prelude, header and digests
+        assert row["frame_bytes"] > row["mib"] << 20
+        assert min(row["pull_ms"], row["raw_nixl_ms"], row["memcpy_ms"], row["put_ms"]) > 0
+    assert (tmp_path / "nixl_bench_quick.png").stat().st_size > 0

@@ -1,0 +1,178 @@
+"""Producer staging (one device buffer for every layer's pages) on vLLM's layouts.
+
+Caches are built the way vLLM 0.32 builds them (the layout emulator), tokens are
+stored the way the kernels address them, and the staged payload is packed, sent
+through the wire format and injected into a consumer cache whose tokens are read
+back the kernels' way. Runs on ``OMNIKV_TEST_DEVICE`` (default cpu, where the
+staging runs synchronously; ``make gpu-check`` sets cuda: side stream + events).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+import torch
+
+from vllm_omni_kv import KVCacheTransferData
+from vllm_omni_kv.connector.engine_layout import EngineLayout
+from vllm_omni_kv.errors import ConfigError
+from vllm_omni_kv.kvcache.cache_layout import KVLayoutId
+from vllm_omni_kv.kvcache.device_staging import GRANULE, DeviceStager
+from vllm_omni_kv.kvcache.paged_blocks import extract_request_blocks, inject_request_blocks
+from vllm_omni_kv.testing.layout_emulator import (
+    EmulatedEngine,
+    build_caches,
+    read_tokens,
+    reference_tokens,
+    write_tokens,
+)
+
+DEVICE = os.environ.get("OMNIKV_TEST_DEVICE", "cpu")
+SEQ = 100
+SRC_IDS = [7, 2, 9, 4]
+DST_IDS = [1, 5, 0, 8]
+ENGINES = {
+    "flash-LBNHC": EmulatedEngine(backend="FLASH_ATTN", layout="LBNHC"),
+    "flash-BLHNC": EmulatedEngine(backend="FLASH_ATTN", layout="BLHNC"),
+    "flashinfer-HND-kernel16": EmulatedEngine(
+        backend="FLASHINFER", layout="LBHNC", kernel_block_size=16
+    ),
+    "mla-LBNHC": EmulatedEngine(backend="FLASHMLA", layout="LBNHC", head_size=64),
+    "cpu": EmulatedEngine(backend="CPU_ATTN", layout="LBHNC"),
+}
+
+
+def _engine(name: str, dtype: str) -> EmulatedEngine:
+    return EmulatedEngine(**{**ENGINES[name].__dict__, "dtype": dtype, "device": DEVICE})
+
+
+def _round_trip(e: EmulatedEngine, stager: DeviceStager | None) -> list[object]:
+    src, dst = build_caches(e), build_caches(e)
+    ref = reference_tokens(e, SEQ, seed=3)
+    write_tokens(e, src, SRC_IDS, ref)
+    ident = _identity(e, next(iter(src.values())))
+    data = extract_request_blocks(
+        "r", SRC_IDS, SEQ, list(src.values()), layout=ident, stager=stager
+    )
+    wire = KVCacheTransferData.from_bytes(data.to_bytes())
+    del data
+    assert inject_request_blocks(wire, list(dst.values()), DST_IDS, layout=ident) == SEQ
+    got = read_tokens(e, dst, DST_IDS, SEQ)
+    for layer, ((rk, rv), (gk, gv)) in enumerate(zip(ref, got, strict=True)):
+        assert torch.equal(gk, rk), f"layer {layer}: K differs"
+        if rv is not None:
+            assert gv is not None and torch.equal(gv, rv), f"layer {layer}: V differs"
+    return got
+
+
+def _identity(e: EmulatedEngine, view: torch.Tensor) -> KVLayoutId:
+    """The identity vLLM's configs give the connector for this engine."""
+    facts = EngineLayout(
+        block_size=e.block_size,
+        layout=e.layout,
+        backend=e.backend,
+        use_mla=e.packing == "latent",
+        cache_dtype=e.cache_dtype,
+    )
+    return facts.identity(view)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "fp8_e4m3"])
+@pytest.mark.parametrize("name", list(ENGINES))
+def test_layout_staged_payload_matches_kernel_tokens(name: str, dtype: str) -> None:
+    e = _engine(name, dtype)
+    stager = DeviceStager(DEVICE)
+    _round_trip(e, stager)
+    assert stager.gathers == 1 and stager.fallbacks == 0
+    gc.collect()
+    # every layer was copied out: the buffer is back and reused by the next request
+    assert len(stager._free) == 1
+    held = stager.held_bytes
+    _round_trip(e, stager)
+    assert stager.held_bytes == held and stager.gathers == 2
+
+
+def test_layout_staging_falls_back_when_a_request_does_not_fit() -> None:
+    e = _engine("flash-LBNHC", "bfloat16")
+    stager = DeviceStager(DEVICE, max_bytes=GRANULE // 4)  # smaller than one granule
+    _round_trip(e, stager)  # read from the cache directly, still token-exact
+    assert stager.gathers == 0 and stager.fallbacks == 1 and stager.held_bytes == 0
+
+
+def test_layout_staging_buffer_returns_when_a_payload_is_dropped_unsent() -> None:
+    e = _engine("flash-LBNHC", "bfloat16")
+    caches = build_caches(e)
+    stager = DeviceStager(DEVICE)
+    layers = list(caches.values())
+    ident = _identity(e, layers[0])
+    data = extract_request_blocks("r", SRC_IDS, SEQ, layers, layout=ident, stager=stager)
+    assert not stager._free
+    del data  # e.g. the send failed before packing
+    gc.collect()
+    assert len(stager._free) == 1
+
+
+def test_layout_stager_refuses_other_device_and_bad_bound() -> None:
+    with pytest.raises(ConfigError, match="staging_bytes"):
+        DeviceStager("cpu", max_bytes=0)
+    stager = DeviceStager("meta")
+    with pytest.raises(ConfigError, match="stager"):
+        stager.gather([torch.zeros(4, 2, 32, 128)], [0])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_staging_is_ordered_after_the_forward_stream() -> None:
+    """A write queued on the forward stream before the gather is what the payload carries,
+    and a write queued after it (the next step reusing the block) is not."""
+    e = _engine("flash-LBNHC", "bfloat16")
+    e = EmulatedEngine(**{**e.__dict__, "device": "cuda"})
+    caches = build_caches(e)
+    layers = list(caches.values())
+    stager = DeviceStager("cuda")
+    torch.cuda.synchronize()
+    torch.cuda._sleep(50_000_000)  # keep the forward stream busy
+    for c in layers:
+        c.fill_(3)
+    data = extract_request_blocks(
+        "r", SRC_IDS, SEQ, layers, layout=_identity(e, layers[0]), stager=stager
+    )
+    for c in layers:
+        c.fill_(5)  # queued after the gather: must not be seen
+    wire = KVCacheTransferData.from_bytes(data.to_bytes())
+    for raw in wire["layer_blocks"]["kv_blocks"]:
+        assert bool((raw.float() == 3).all())
+
+
+def test_shm_segments_are_not_registered_without_cuda_in_use() -> None:
+    """A process that never initialized CUDA maps segments as plain memory."""
+    from vllm_omni_kv.backends.shm import arena
+    from vllm_omni_kv.backends.shm.producer import ProducerArena
+
+    pa = ProducerArena(8 << 20, namespace=f"pin-{os.getpid()}")
+    try:
+        seg, pooled = pa.acquire(1 << 20)
+        assert id(seg.mm) not in arena._pins
+        pa.release_unpublished(seg, pooled)
+    finally:
+        pa.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_shm_segments_are_pinned_while_mapped() -> None:
+    """In a process using CUDA, arena segments are registered (DMA, async copies) and
+    unregistered before they are unmapped."""
+    from vllm_omni_kv.backends.shm import arena
+    from vllm_omni_kv.backends.shm.producer import ProducerArena
+
+    torch.zeros(1, device="cuda")  # CUDA in use, as in a GPU worker
+    pa = ProducerArena(8 << 20, namespace=f"pin-{os.getpid()}")
+    try:
+        seg, pooled = pa.acquire(1 << 20)
+        assert id(seg.mm) in arena._pins
+        assert torch.frombuffer(seg.mm, dtype=torch.uint8).is_pinned()
+        pa.release_unpublished(seg, pooled)
+    finally:
+        pa.close()
+    assert not arena._pins

@@ -1,0 +1,1 @@
+"""NIXL backend: the pull connector's protocol with NIXL agents (UCX) moving the bytes."""

@@ -1,0 +1,330 @@
+"""A NIXL agent behind the pull connector's :class:`EngineAdapter` interface.
+
+One agent per connector (a unique name), over UCX by default. The pool is
+registered once (``DRAM`` for a host pool, ``VRAM`` for a ``cuda`` pool). A
+peer is named by its *session* ``"<agent>@<host>:<side-channel port>"``: the
+first read from a session fetches that agent's metadata over our ZMQ side
+channel (op ``nixl_md``, each try bounded by ``handshake_timeout_s``, at most
+``1 + handshake_retries`` tries) and loads it with ``add_remote_agent``. A read
+is one ``READ`` transfer polled until done; past ``timeout_s`` it is aborted and
+raises :class:`KVTransferTimeout`. A failed transfer forgets the peer so the
+next read handshakes again (a restarted sender has a new agent name anyway).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from typing import Any
+
+from vllm_omni_kv.backends.transfer_engine.side_channel import SideChannelClient
+from vllm_omni_kv.errors import BackendUnavailable, KVTransferError, KVTransferTimeout
+from vllm_omni_kv.logger import init_logger
+from vllm_omni_kv.wire.auth import AuthKey
+
+logger = init_logger(__name__)
+
+INSTALL_HINT = "pip install 'vllm-omni-kv[nixl]' (or: pip install nixl)"
+#: the side-channel op that returns this agent's metadata
+MD_OP = "nixl_md"
+#: remote agents kept loaded at most (the least recently used one is removed past it)
+MAX_PEERS = 256
+#: the longest sleep between two polls of a running transfer (seconds)
+MAX_POLL_S = 0.001
+
+
+def skip_unused_rdma_modules() -> bool:
+    """On a host without RDMA devices, keep UCX from loading its InfiniBand modules.
+
+    NIXL's wheel bundles its own libibverbs / libnl; with the system's rdma-core also
+    installed (Mooncake needs ``libibverbs1``) both copies of ``libnl-route`` get loaded
+    and the process segfaults in their destructors at exit. The modules serve nothing
+    without a device, so unless ``UCX_MODULES`` is set, ``^ib,rdmacm`` is set for this
+    process (before its first agent starts). True when it was set here.
+    """
+    if os.environ.get("UCX_MODULES") or os.path.isdir("/sys/class/infiniband"):
+        return False
+    os.environ["UCX_MODULES"] = "^ib,rdmacm"
+    return True
+
+
+def import_nixl() -> tuple[Any, Any, Any]:
+    """``(nixl_agent, nixl_agent_config, nixl_thread_sync_t)``, or ``BackendUnavailable``.
+
+    NIXL logs each agent's start at INFO on stdout; unless ``NIXL_LOG_LEVEL`` says
+    otherwise, only its warnings are shown (stdout may carry JSON, e.g. ``doctor --json``).
+    """
+    try:
+        from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+    except ImportError:
+        try:  # the CUDA-12 build installed without the ``nixl`` meta package
+            from nixl_cu12._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+        except ImportError as e:
+            raise BackendUnavailable(
+                f"NIXL is not importable ({e}); install it with: {INSTALL_HINT}"
+            ) from e
+    skip_unused_rdma_modules()
+    if not os.environ.get("NIXL_LOG_LEVEL"):
+        logging.getLogger("nixl").setLevel(logging.WARNING)
+    return nixl_agent, nixl_agent_config, nixl_thread_sync_t
+
+
+def parse_session(session: str) -> tuple[str, str]:
+    """``(agent name, side-channel endpoint)`` of a session ``agent@host:port``."""
+    name, sep, hostport = session.rpartition("@")
+    if not sep or not name or ":" not in hostport:
+        raise KVTransferError(
+            f"not a NIXL session: {session!r} (expected 'agent@host:port'); the sender "
+            "is not a nixl backend, or its put metadata was altered"
+        )
+    return name, f"tcp://{hostport}"
+
+
+class _Peer:
+    def __init__(self, name: str, mem_type: str, device_id: int) -> None:
+        self.name, self.mem_type, self.device_id = name, mem_type, device_id
+
+
+class NixlEngine:
+    """Adapter from a NIXL agent to the pull connector's engine operations."""
+
+    def __init__(
+        self,
+        *,
+        device: str = "cpu",
+        backends: tuple[str, ...] = ("UCX",),
+        num_threads: int = 0,
+        timeout_s: float = 30.0,
+        handshake_timeout_s: float = 5.0,
+        handshake_retries: int = 1,
+        auth: AuthKey | None = None,
+    ) -> None:
+        agent_cls, config_cls, sync_t = import_nixl()
+        self.name = f"omnikv-{uuid.uuid4().hex[:16]}"
+        self.timeout_s = timeout_s
+        self.handshake_timeout_s = handshake_timeout_s
+        self.handshake_retries = max(0, handshake_retries)
+        dev = device.split(":")
+        self.mem_type = "VRAM" if dev[0] == "cuda" else "DRAM"
+        self.device_id = int(dev[1]) if len(dev) > 1 and dev[1] else 0
+        # several pull threads share the agent: RW mode lets transfers run side by side and
+        # makes metadata changes (register, add/remove remote agents) exclusive
+        conf = config_cls(
+            backends=list(backends),
+            num_threads=num_threads,
+            sync_mode=sync_t.NIXL_THREAD_SYNC_RW,
+        )
+        try:
+            self.agent: Any = agent_cls(self.name, conf)
+        except Exception as e:
+            raise BackendUnavailable(
+                f"NIXL agent with backends {list(backends)} could not start: {e}"
+            ) from e
+        missing = [b for b in backends if b not in self.agent.backends]
+        if missing:
+            raise BackendUnavailable(
+                f"NIXL has no {missing} plugin here (available: {self.agent.plugin_list}); "
+                "set nixl_backends to one of those"
+            )
+        self.session = f"{self.name}@127.0.0.1:0"  # set by ``advertise``
+        self._regs: dict[int, Any] = {}
+        self._peers: OrderedDict[str, _Peer] = OrderedDict()
+        self._lock = threading.Lock()
+        self._session_locks: dict[str, threading.Lock] = {}
+        self._client = SideChannelClient(handshake_timeout_s, auth=auth)
+        self._closed = False
+
+    def advertise(self, host: str, port: int) -> None:
+        """Name this agent's side channel in its session (after the server bound ``port``)."""
+        self.session = f"{self.name}@{host}:{port}"
+
+    def metadata(self) -> dict[str, Any]:
+        """What a peer needs to read from this agent (served under :data:`MD_OP`)."""
+        return {
+            "agent": self.name,
+            "metadata": self.agent.get_agent_metadata(),
+            "mem_type": self.mem_type,
+            "device_id": self.device_id,
+        }
+
+    def register(self, addr: int, size: int) -> None:
+        try:
+            self._regs[addr] = self.agent.register_memory(
+                [(addr, size, self.device_id, "")], self.mem_type
+            )
+        except Exception as e:
+            raise KVTransferError(
+                f"NIXL register_memory({addr:#x}, {size}, {self.mem_type}) failed: {e} "
+                "(memlock limits? try a smaller memory_pool_size)"
+            ) from None
+
+    def unregister(self, addr: int) -> None:
+        reg = self._regs.pop(addr, None)
+        if reg is not None:
+            self.agent.deregister_memory(reg)
+
+    # -- handshake -------------------------------------------------------------------
+    def handshake(self, session: str) -> _Peer:
+        """The peer of ``session``, fetching and loading its metadata on first use."""
+        with self._lock:
+            if self._closed:
+                raise KVTransferError("the NIXL engine is closed; create a new connector")
+            peer = self._peers.get(session)
+            if peer is not None:
+                self._peers.move_to_end(session)
+                return peer
+            slock = self._session_locks.setdefault(session, threading.Lock())
+        with slock:  # one handshake per peer at a time; others wait for its result
+            with self._lock:
+                peer = self._peers.get(session)
+            if peer is not None:
+                return peer
+            peer = self._fetch(session)
+            with self._lock:
+                self._peers[session] = peer
+                evicted = self._peers.popitem(last=False) if len(self._peers) > MAX_PEERS else None
+            if evicted is not None:
+                self._unload(evicted[1].name)
+            return peer
+
+    def _fetch(self, session: str) -> _Peer:
+        name, endpoint = parse_session(session)
+        tries = 1 + self.handshake_retries
+        reply: dict[str, Any] | None = None
+        for i in range(tries):
+            try:
+                reply = self._client.request(endpoint, {"op": MD_OP}, self.handshake_timeout_s)
+                break
+            except KVTransferTimeout as e:
+                logger.warning("NIXL handshake with %s, try %d/%d: %s", endpoint, i + 1, tries, e)
+        if reply is None:
+            raise KVTransferTimeout(
+                f"NIXL handshake with {endpoint} got no answer in {tries} tries of "
+                f"{self.handshake_timeout_s:.1f}s: the sender is gone or unreachable "
+                "(check its host / zmq_port and firewall)"
+            )
+        if not reply.get("ok") or reply.get("agent") != name:
+            raise KVTransferError(
+                f"the side channel at {endpoint} does not serve NIXL agent {name!r} "
+                f"(reply: {reply.get('error') or reply.get('agent')!r}): the sender restarted "
+                "or is not a nixl backend; ask it for fresh metadata"
+            )
+        if name != self.name:  # a dual connector reads from itself through loopback
+            try:
+                loaded = self.agent.add_remote_agent(bytes(reply["metadata"]))
+                if isinstance(loaded, bytes):
+                    loaded = loaded.decode()
+            except Exception as e:
+                raise KVTransferError(f"NIXL could not load {name!r}'s metadata: {e}") from None
+            if loaded != name:
+                raise KVTransferError(
+                    f"NIXL metadata from {endpoint} names {loaded!r}, not {name!r}"
+                )
+        return _Peer(name, str(reply.get("mem_type", "DRAM")), int(reply.get("device_id", 0)))
+
+    def forget(self, session: str) -> None:
+        """Drop a peer (after a failed transfer); the next read handshakes again."""
+        with self._lock:
+            peer = self._peers.pop(session, None)
+            slock = self._session_locks.get(session)
+            if slock is not None and not slock.locked():
+                del self._session_locks[session]
+        if peer is not None:
+            self._unload(peer.name)
+
+    def _unload(self, name: str) -> None:
+        if name == self.name:
+            return
+        try:
+            self.agent.remove_remote_agent(name)
+        except Exception as e:
+            logger.debug("remove_remote_agent(%r): %s", name, e)
+
+    # -- transfers -------------------------------------------------------------------
+    def read(self, session: str, local_addr: int, remote_addr: int, length: int) -> None:
+        """Copy ``length`` bytes at ``remote_addr`` of ``session``'s pool to ``local_addr``.
+
+        Raises :class:`KVTransferError` (never its ``TimeoutError`` subclass: the pull
+        connector runs reads in futures, whose waits treat ``TimeoutError`` as "not done").
+        """
+        try:
+            self._read(session, local_addr, remote_addr, length)
+        except KVTransferTimeout as e:
+            raise KVTransferError(str(e)) from None
+
+    def _read(self, session: str, local_addr: int, remote_addr: int, length: int) -> None:
+        peer = self.handshake(session)
+        agent = self.agent
+        try:
+            local = agent.get_xfer_descs([(local_addr, length, self.device_id)], self.mem_type)
+            remote = agent.get_xfer_descs([(remote_addr, length, peer.device_id)], peer.mem_type)
+            handle = agent.initialize_xfer("READ", local, remote, peer.name)
+        except Exception as e:
+            raise KVTransferError(
+                f"NIXL cannot read {length} bytes at {remote_addr:#x} from {peer.name}: {e} "
+                "(the range is not in the sender's registered pool)"
+            ) from None
+        try:
+            state = agent.transfer(handle)
+            state = self._wait(agent, handle, state, time.monotonic() + self.timeout_s, peer.name)
+        except BaseException:
+            self.forget(session)
+            raise
+        if state != "DONE":
+            self.forget(session)
+            raise KVTransferError(
+                f"NIXL read of {length} bytes from {peer.name} failed ({state}): the sender "
+                "is gone or unreachable"
+            )
+        handle.release()
+
+    def _wait(self, agent: Any, handle: Any, state: str, deadline: float, peer: str) -> str:
+        """Poll until the transfer leaves ``PROC``; abort it past ``deadline``.
+
+        A transfer that cannot be aborted is waited out: its destination must stay
+        valid until it ends (the caller has already been told of the timeout).
+        """
+        delay = 0.0
+        while state == "PROC":
+            if time.monotonic() >= deadline:
+                try:
+                    handle.release()  # NIXL aborts a running transfer when released
+                except Exception as e:
+                    logger.debug("NIXL could not abort a read from %s yet: %s", peer, e)
+                else:
+                    raise KVTransferTimeout(
+                        f"NIXL read from {peer} made no progress within {self.timeout_s:.1f}s; "
+                        "aborted"
+                    )
+                if self._closed:
+                    return "ERR"
+                deadline = time.monotonic() + 0.1
+            time.sleep(delay)
+            delay = min(MAX_POLL_S, delay + 0.00005)
+            state = agent.check_xfer_state(handle)
+        if state != "DONE":
+            try:
+                handle.release()
+            except Exception as e:
+                logger.debug("releasing a failed NIXL transfer: %s", e)
+        return str(state)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            peers, self._peers = list(self._peers.values()), OrderedDict()
+        for p in peers:
+            self._unload(p.name)
+        for addr in list(self._regs):
+            try:
+                self.unregister(addr)
+            except Exception as e:
+                logger.debug("deregister_memory at close: %s", e)
+        self._client.close()
+        self.agent = None
