@@ -42,8 +42,9 @@ SEND_TTL = 4.0
 STALE = 3.0  # heartbeat_stale_s: a dead reader's segment comes back after this
 WAIT = 90.0
 PREFILL = {"do_remote_decode": True, "do_remote_prefill": False}
-#: tokens the consumer generates while a second request waits for its blocks
-QUEUE_TOKENS = 384
+#: tokens the consumer generates while a second request waits for its blocks: many more
+#: decode steps than SEND_TTL + 1 s takes even on an idle machine (~9 ms a step here)
+QUEUE_TOKENS = 960
 
 
 def _until(cond: Callable[[], bool], timeout: float = WAIT) -> bool:
@@ -105,8 +106,8 @@ def groups(tiny_model_dir: Path) -> dict[str, list[list[int]]]:
         "idle": make_prompts(tiny_model_dir, 1, seed=11),
         "killed": make_prompts(tiny_model_dir, 1, seed=12),
         "after": make_prompts(tiny_model_dir, 2, seed=13),
-        # more blocks than the filler leaves free while it runs (12 of SMALL_CACHE_BLOCKS)
-        "queued": [long_prompt(tiny_model_dir, 400, seed=14)],
+        # more blocks (32) than the filler leaves free while it runs (30 of SMALL_CACHE_BLOCKS)
+        "queued": [long_prompt(tiny_model_dir, 1000, seed=14)],
         "filler": [whole_cache_prompt(tiny_model_dir, QUEUE_TOKENS)],
     }
 

@@ -41,7 +41,7 @@ def test_stats_become_prometheus_metrics() -> None:
     b.record_recv(0, 0.1, 0, ok=False, reason="refused")
     b.record_recv(0, 0.1, 0, ok=False)
     b.record_send(5 << 20, 0.01, ok=True)
-    b.set_held(3)
+    b.set_held(3, 7 << 20)
     agg = a.aggregate(b)  # as vLLM aggregates two workers' stats
     prom.observe(agg.data, engine_idx=0)
     labels = {"model_name": "m", "engine": "0"}
@@ -59,3 +59,4 @@ def test_stats_become_prometheus_metrics() -> None:
     for reason, n in (("timeout", 1), ("refused", 1), ("transport", 1), ("cancelled", 0)):
         assert value("vllm:omnikv_load_failures_total", reason=reason) == n
     assert value("vllm:omnikv_payloads_held") == 3
+    assert value("vllm:omnikv_bytes_held") == 7 << 20

@@ -88,6 +88,15 @@ class OmniKVPromMetrics(KVConnectorPromMetrics):
             ),
             per,
         )
+        self.held_bytes = create_metric_per_engine(
+            self._gauge_cls(
+                name="vllm:omnikv_bytes_held",
+                documentation="Bytes of the payloads a producer worker holds (max over TP ranks)",
+                labelnames=labelnames,
+                multiprocess_mode="mostrecent",
+            ),
+            per,
+        )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         d = transfer_stats_data
@@ -108,3 +117,4 @@ class OmniKVPromMetrics(KVConnectorPromMetrics):
         for b in d.get("load_bytes", ()):
             self.load_bytes[engine_idx].observe(b)
         self.held[engine_idx].set(int(d.get("payloads_held", 0)))
+        self.held_bytes[engine_idx].set(int(d.get("bytes_held", 0)))

@@ -32,7 +32,7 @@ SAMPLES: tuple[str, ...] = ("load_seconds", "load_bytes")
 MAX_SAMPLES = 4096
 #: current values: the largest over the workers and steps aggregated (each TP rank holds
 #: one part of each request's payload)
-GAUGES: tuple[str, ...] = ("payloads_held",)
+GAUGES: tuple[str, ...] = ("payloads_held", "bytes_held")
 #: why a load failed: ``num_recv_failures`` counts them all
 FAILURE_REASONS = ("timeout", "cancelled", "refused", "transport")
 #: the counter of each reason that has one of its own ("transport" is the rest)
@@ -93,15 +93,19 @@ class OmniKVConnectorStats(KVConnectorStats):
         """``n`` unconsumed payloads were withdrawn because their lease ran out."""
         self.data["leases_expired"] += int(n)
 
-    def set_held(self, payloads: int) -> None:
+    def set_held(self, payloads: int, nbytes: int = 0) -> None:
         # a change is reported even in an otherwise empty interval (a drop to 0 included)
-        self.data["held_changed"] = int(payloads) != self.data.get("payloads_held", 0)
+        self.data["held_changed"] = (int(payloads), int(nbytes)) != (
+            self.data.get("payloads_held", 0),
+            self.data.get("bytes_held", 0),
+        )
         self.data["payloads_held"] = int(payloads)
+        self.data["bytes_held"] = int(nbytes)
 
     def reset(self) -> None:
-        held = self.data.get("payloads_held", 0)
+        held = {k: self.data.get(k, 0) for k in GAUGES}
         self.data = _zero()
-        self.data["payloads_held"] = held
+        self.data.update(held)
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         if not isinstance(other, OmniKVConnectorStats):

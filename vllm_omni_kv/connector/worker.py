@@ -465,7 +465,8 @@ class OmniKVWorker:
             self._held_checked = now
             try:
                 health = self.session.backend.health()
-                self.stats.set_held(int(health.get("unconsumed", health.get("exposed_keys", 0))))
+                held = int(health.get("unconsumed", health.get("exposed_keys", 0)))
+                self.stats.set_held(held, int(health.get("held_bytes", 0)))
             except Exception as e:
                 logger.debug("backend health for the held-payload gauge: %s", e)
         expired, self._expired_seen = (

@@ -316,3 +316,24 @@ def test_claim_without_a_lease_is_reclaimed_after_the_threshold(ns: str) -> None
         assert shm_arena.claim_index(index_name(ns, "0", "1", "k")) is not None
         assert _until(lambda: tx.health()["reclaimed"] == 1)
         assert _state(seg) == shm_arena.FREE
+
+
+def test_health_counts_the_bytes_of_unconsumed_payloads() -> None:
+    """What the bytes-held gauge reads: the frame bytes of entries nobody claimed yet."""
+    ns = f"held-{os.getpid()}-{time.monotonic_ns()}"
+    prod = SharedMemoryConnector({"namespace": ns})
+    cons = SharedMemoryConnector({"namespace": ns})
+    try:
+        ok, size, _ = prod.put("a", "b", "k1", torch.zeros(1 << 20, dtype=torch.uint8))
+        ok2, size2, _ = prod.put("a", "b", "k2", torch.ones(300_000, dtype=torch.uint8))
+        assert ok and ok2
+        h = prod.health()
+        assert h["unconsumed"] == 2 and h["held_bytes"] == size + size2
+        got = cons.get("a", "b", "k1")
+        assert got is not None
+        del got
+        h = prod.health()
+        assert h["unconsumed"] == 1 and h["held_bytes"] == size2
+    finally:
+        cons.close()
+        prod.close()

@@ -30,7 +30,6 @@ from __future__ import annotations
 from typing import Any
 
 from vllm_omni_kv.backends.nixl.engine import MD_OP, NixlEngine
-from vllm_omni_kv.backends.pool import ManagedBuffer
 from vllm_omni_kv.backends.transfer_engine.pull import EngineAdapter, PullTransferConnector
 from vllm_omni_kv.errors import ConfigError
 
@@ -91,7 +90,7 @@ class NixlConnector(PullTransferConnector):
 def selftest() -> dict[str, Any]:
     """Round trip (tensor + object) between two connectors of this process over NIXL/UCX."""
     try:
-        import torch
+        from vllm_omni_kv.backends.transfer_engine.selftest import pull_round_trip
 
         base = {
             "host": "127.0.0.1",
@@ -103,34 +102,13 @@ def selftest() -> dict[str, Any]:
         try:
             receiver = NixlConnector({**base, "role": "receiver"})
             try:
-                t = torch.arange(1024, dtype=torch.float32)
-                ok, size, meta = sender.put("0", "1", "selftest-t", t)
-                got = receiver.get("0", "1", "selftest-t", meta)
-                if not ok or got is None:
-                    return {"ok": False, "detail": "tensor round trip returned nothing"}
-                buf = got[0]
-                assert isinstance(buf, ManagedBuffer)
-                with buf:
-                    same = torch.equal(buf.to_tensor(), t)
-                ok2, _, _ = sender.put("0", "1", "selftest-o", {"x": t, "s": "hi"})
-                got2 = receiver.get(
-                    "0",
-                    "1",
-                    "selftest-o",
-                    {"source_host": "127.0.0.1", "source_port": sender.zmq_port},
-                )
-                same2 = (
-                    ok2
-                    and got2 is not None
-                    and torch.equal(got2[0]["x"], t)
-                    and got2[0]["s"] == "hi"
-                )
-                if not (same and same2):
-                    return {"ok": False, "detail": "round trip returned different data"}
+                failed = pull_round_trip(sender, receiver)
+                if failed:
+                    return {"ok": False, "detail": failed}
                 return {
                     "ok": True,
                     "detail": f"NIXL/UCX {sender.agent_name} -> {receiver.agent_name}: "
-                    f"{size} B tensor + object",
+                    "tensor + object",
                 }
             finally:
                 receiver.close()

@@ -122,7 +122,7 @@ class SharedMemoryConnector(OmniConnectorBase):
         self._maps = reader.ConsumerMaps(stale_s=self.stale_s)
         self._lock = threading.Lock()
         # index entries this process published and nobody claimed yet: name -> (key, time)
-        self._owned: dict[str, tuple[str, float]] = {}
+        self._owned: dict[str, tuple[str, float, int]] = {}  # name -> (key, put at, bytes)
         self._last_sweep = 0.0
         self._stats = Counters(*COMMON)
         swept = arena.sweep_orphans(self.stale_s)
@@ -151,7 +151,7 @@ class SharedMemoryConnector(OmniConnectorBase):
             self._discard(name)  # a streamed entry may already be visible: withdraw it
             raise
         with self._lock:
-            self._owned[name] = (put_key, time.monotonic())
+            self._owned[name] = (put_key, time.monotonic(), size)
         self._stats.add("puts")
         self._stats.add("bytes_put", size)
         meta: dict[str, Any] = {"key": put_key, "size": size}
@@ -274,7 +274,7 @@ class SharedMemoryConnector(OmniConnectorBase):
         self._last_sweep = now
         self._prune_claimed()
         with self._lock:
-            old = [n for n, (_k, t) in self._owned.items() if now - t > self.ttl]
+            old = [n for n, (_k, t, _n) in self._owned.items() if now - t > self.ttl]
         stale = [n for n in old if (self._extended(n) or 0.0) <= now]
         for n in stale:
             self._discard(n, reason=f"unconsumed after {self.ttl:.0f}s")
@@ -300,7 +300,7 @@ class SharedMemoryConnector(OmniConnectorBase):
     def cleanup(self, request_id: str) -> None:
         """Withdraw this process's unconsumed entries whose key is, starts or ends with ``request_id``."""
         with self._lock:
-            names = [n for n, (k, _t) in self._owned.items() if key_of_request(k, request_id)]
+            names = [n for n, (k, _t, _n) in self._owned.items() if key_of_request(k, request_id)]
         for n in names:
             self._discard(n)
 
@@ -331,11 +331,13 @@ class SharedMemoryConnector(OmniConnectorBase):
         stats = self._stats.snapshot()
         with self._lock:
             owned = len(self._owned)
+            held_bytes = sum(n for _k, _t, n in self._owned.values())
         return {
             "status": "closed" if self._closed else "healthy",
             "backend": "shm",
             "namespace": self.namespace,
             "unconsumed": owned,
+            "held_bytes": held_bytes,
             "arena_bytes": self._arena.total_bytes,
             "reclaimed": self._arena.reclaimed,
             "reader_leases": reader.LEASES.held(),

@@ -232,6 +232,7 @@ class ExposureTable:
         with self._lock:
             return {
                 "exposed_keys": len(self._by_key),
+                "held_bytes": sum(e.size for e in self._by_token.values()),
                 "exposed_blocks": len(self._by_token),
                 "active_leases": sum(len(e.leases) for e in self._by_token.values()),
                 "expired": self.expired,

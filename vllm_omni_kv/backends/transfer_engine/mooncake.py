@@ -39,7 +39,6 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from vllm_omni_kv.backends.pool import ManagedBuffer
 from vllm_omni_kv.backends.transfer_engine.pull import EngineAdapter, PullTransferConnector
 from vllm_omni_kv.errors import BackendUnavailable, KVTransferError
 from vllm_omni_kv.logger import init_logger
@@ -149,7 +148,7 @@ class MooncakeTransferEngineConnector(PullTransferConnector):
 def selftest() -> dict[str, Any]:
     """Loopback round trip (tensor + object) through one dual-role connector on 127.0.0.1/tcp."""
     try:
-        import torch
+        from vllm_omni_kv.backends.transfer_engine.selftest import pull_round_trip
 
         cfg = {
             "role": "dual",
@@ -161,27 +160,12 @@ def selftest() -> dict[str, Any]:
         }
         conn = MooncakeTransferEngineConnector(cfg)
         try:
-            t = torch.arange(1024, dtype=torch.float32)
-            ok, size, meta = conn.put("0", "1", "selftest-t", t)
-            got = conn.get("0", "1", "selftest-t", meta)
-            if not ok or got is None:
-                return {"ok": False, "detail": "tensor round trip returned nothing"}
-            buf = got[0]
-            assert isinstance(buf, ManagedBuffer)
-            with buf:
-                same = torch.equal(buf.to_tensor(), t)
-            ok2, _, _ = conn.put("0", "1", "selftest-o", {"x": t, "s": "hi"})
-            got2 = conn.get(
-                "0", "1", "selftest-o", {"source_host": "127.0.0.1", "source_port": conn.zmq_port}
-            )
-            same2 = (
-                ok2 and got2 is not None and torch.equal(got2[0]["x"], t) and got2[0]["s"] == "hi"
-            )
-            if not (same and same2):
-                return {"ok": False, "detail": "round trip returned different data"}
+            failed = pull_round_trip(conn, conn)
+            if failed:
+                return {"ok": False, "detail": failed}
             return {
                 "ok": True,
-                "detail": f"tcp loopback via {conn.engine.session}: {size} B tensor + object",
+                "detail": f"tcp loopback via {conn.engine.session}: tensor + object",
             }
         finally:
             conn.close()
