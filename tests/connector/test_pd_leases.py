@@ -42,8 +42,7 @@ SEND_TTL = 4.0
 STALE = 3.0  # heartbeat_stale_s: a dead reader's segment comes back after this
 WAIT = 90.0
 PREFILL = {"do_remote_decode": True, "do_remote_prefill": False}
-#: tokens the consumer generates while a second request waits for its blocks: many more
-#: decode steps than SEND_TTL + 1 s takes even on an idle machine (~9 ms a step here)
+#: tokens the consumer generates while a second request waits for its blocks
 QUEUE_TOKENS = 960
 
 
@@ -142,8 +141,11 @@ def test_idle_producer_frees_an_unconsumed_payload_and_the_consumer_recomputes(
 def test_a_request_waiting_for_blocks_extends_its_payload_beyond_send_ttl(
     pd: PD, groups: dict[str, list[list[int]]]
 ) -> None:
-    # The filler takes the consumer's whole cache for QUEUE_TOKENS decode steps; the
-    # remote request waits for blocks meanwhile, and its scheduler extends the lease.
+    # The filler holds 34 of the consumer's 64 blocks, first while it waits recv_timeout
+    # (4 s) for a payload that never comes, then while it recomputes and decodes
+    # QUEUE_TOKENS tokens; the remote request needs 32 blocks, so it waits for all of that
+    # (at least recv_timeout plus 960 decode steps, whatever the machine's speed), and
+    # its scheduler extends the payload's lease meanwhile.
     from vllm_omni_kv.backends.shm import arena as shm_arena
 
     queued = groups["queued"]
@@ -164,13 +166,20 @@ def test_a_request_waiting_for_blocks_extends_its_payload_beyond_send_ttl(
     t = threading.Thread(target=watch, daemon=True)
     t.start()
     prompts = groups["filler"] + queued
-    loads = pd.decode(prompts, [None, params[0]], max_tokens=QUEUE_TOKENS)
+    never_sent = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": "no-such-producer",
+        "remote_request_id": f"never-sent-{time.time_ns()}",
+    }
+    loads = pd.decode(prompts, [never_sent, params[0]], max_tokens=QUEUE_TOKENS)
     seen.setdefault("claimed", time.monotonic())
     t.join(10)
     waited = seen["claimed"] - sent
     assert "extended" in seen, f"no lease extension seen (claimed after {waited:.1f}s): {loads}"
     # without the extension the producer withdraws it after SEND_TTL (+ one lease check)
     assert waited > SEND_TTL + 1, f"the request waited only {waited:.1f}s: {loads[1]}"
+    assert loads[0] is not None and loads[0]["ok"] is False, loads[0]  # the filler recomputed
     assert loads[1] is not None and loads[1]["ok"] is True, loads[1]
     assert loads[1]["tokens"] == len(queued[0])
     assert _until(_all_free)

@@ -297,6 +297,23 @@ def test_bad_key_files_refused(tmp_path, data, mode, match):
         load_key_file(_key_file(tmp_path, data, mode))
 
 
+def test_binary_key_is_used_byte_for_byte(tmp_path):
+    """Random bytes may begin or end with whitespace bytes: a binary key keeps them (a
+    32-byte key stays 32 bytes), while a text key loses its newline."""
+    binary = b"\n" + bytes(range(128, 158)) + b" "
+    a = load_key_file(_key_file(tmp_path, binary))
+    b = load_key_file(_key_file(tmp_path / ".." / tmp_path.name, binary))
+    assert a.same_key(b)
+    text = tmp_path / "text.key"
+    text.write_bytes(b"Zm9v" * 11 + b"\n")
+    text.chmod(0o600)
+    other = tmp_path / "text2.key"
+    other.write_bytes(b"Zm9v" * 11)
+    other.chmod(0o600)
+    assert load_key_file(text).same_key(load_key_file(other))
+    assert not load_key_file(text).same_key(a)
+
+
 def test_missing_key_file_refused(tmp_path):
     with pytest.raises(ConfigError, match="cannot be read"):
         load_key_file(tmp_path / "nope")

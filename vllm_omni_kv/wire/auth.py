@@ -2,9 +2,9 @@
 
 A deployment that sets ``auth_key_file`` (or the environment variable
 :data:`ENV_KEY_FILE`) on every stage gives each process the same key. The key
-file holds at least :data:`MIN_KEY_BYTES` bytes of secret (used as they are;
-surrounding whitespace is stripped, and keys longer than 64 bytes are hashed
-down to 64, BLAKE2b's key size). A shorter key, or a file that other users can
+file holds at least :data:`MIN_KEY_BYTES` bytes of secret: a text key (printable
+ASCII, e.g. base64) loses its surrounding whitespace, a binary key is used byte for
+byte, and keys longer than 64 bytes are hashed down to 64, BLAKE2b's key size. A shorter key, or a file that other users can
 read or write, is refused with :class:`ConfigError`.
 
 With a key, a frame's prelude carries :data:`~.prelude.FLAG_MAC` and its trailer
@@ -160,9 +160,11 @@ def load_key_file(path: str | os.PathLike[str]) -> AuthKey:
             f"secret (at most {MAX_KEY_FILE} bytes)"
         )
     try:
-        key = p.read_bytes().strip()
+        raw = p.read_bytes()
     except OSError as e:
         raise ConfigError(f"auth_key_file {str(p)!r} cannot be read: {e}") from None
+    # a text key (base64, hex) written with a trailing newline; a binary one is used as is
+    key = raw.strip() if all(32 <= b < 127 or b in b"\t\n\r " for b in raw) else raw
     return AuthKey(key, str(p))
 
 
