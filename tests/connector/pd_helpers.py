@@ -198,3 +198,70 @@ def tcp_connected(port: int) -> bool:
             if len(cols) > 3 and cols[3] == "01" and int(cols[2].rsplit(":", 1)[1], 16) == port:
                 return True
     return False
+
+
+#: what the proxy sends a producer: prefill only, keep the KV for a remote decode
+REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False}
+PullPD = tuple[
+    EngineProc, EngineProc, dict[tuple[int, ...], list[int]], list[list[int]], list[list[int]]
+]
+
+
+@contextlib.contextmanager
+def pull_pd(
+    model_dir: Path,
+    name: str,
+    prod_ktc: dict[str, Any],
+    cons_ktc: dict[str, Any],
+    seed: int,
+) -> Iterator[PullPD]:
+    """A producer and a consumer engine of a pull backend, the producer's own greedy tokens
+    as the reference, and two prompt groups: ``equal`` (loaded) and ``killed``."""
+    equal = make_prompts(model_dir, 3, seed=seed)
+    killed = make_prompts(model_dir, 2, seed=seed + 1)
+    with engines(
+        (f"{name}-producer", engine_cfg(model_dir, prod_ktc)),
+        (f"{name}-consumer", engine_cfg(model_dir, cons_ktc)),
+    ) as (prod, cons):
+        # reference: the producer as an ordinary engine (no transfer params)
+        out = prod.generate(equal + killed, max_tokens=16)
+        ref = {tuple(p): o["token_ids"] for p, o in zip(equal + killed, out["outputs"])}
+        yield prod, cons, ref, equal, killed
+
+
+def prefill_remote(prod: EngineProc, prompts: list[list[int]]) -> list[dict[str, Any]]:
+    """Prefill ``prompts`` for a remote decode; the kv_transfer_params the producer returns."""
+    r = prod.generate(prompts, max_tokens=1, kv_transfer_params=[REMOTE_DECODE] * len(prompts))
+    assert "error" not in r, r
+    params = [o["kv_transfer_params"] for o in r["outputs"]]
+    assert all(p["remote_port"] > 0 for p in params), params
+    return params
+
+
+def assert_pull_loads_equal(pd: PullPD) -> None:
+    """The consumer loads every prompt of ``equal`` and decodes the reference's tokens."""
+    prod, cons, ref, equal, _ = pd
+    r = cons.generate(equal, max_tokens=16, kv_transfer_params=prefill_remote(prod, equal))
+    assert "error" not in r, r
+    for o, ids in zip(r["outputs"], equal):
+        assert o["token_ids"] == ref[tuple(ids)]
+        load = o["kv_transfer_params"]["omni_kv_load"]
+        # the reference run cached these prompts' blocks on the producer, not the consumer
+        assert load["ok"] is True and load["tokens"] == len(ids) and load["bytes"] > 0, load
+
+
+def assert_killed_producer_recomputes(pd: PullPD, recv_timeout: float) -> None:
+    """Kill the producer after its prefills: the consumer's loads fail within bounds and
+    it recomputes the reference's tokens."""
+    prod, cons, ref, _, killed = pd
+    params = prefill_remote(prod, killed)
+    kill_group(prod.proc.pid)
+    prod.proc.wait(timeout=30)
+    t0 = time.monotonic()
+    r = cons.generate(killed, max_tokens=16, kv_transfer_params=params)
+    assert time.monotonic() - t0 < recv_timeout + 15
+    assert "error" not in r, r
+    for o, ids in zip(r["outputs"], killed):
+        assert o["token_ids"] == ref[tuple(ids)]
+        load = o["kv_transfer_params"]["omni_kv_load"]
+        assert load["ok"] is False and load["error"], load
