@@ -57,7 +57,8 @@ GPU_PY_VERSIONS ?= 3.10 3.11 3.12 3.13
 GPU_OUT ?= $(if $(OUT),$(OUT),benchmarks/results)
 GPU_DEPS := msgpack xxhash pyzmq pyyaml safetensors pytest pytest-timeout pluggy iniconfig packaging hypothesis attrs sortedcontainers
 GPU_TESTS := tests/connector/test_layout_emulated.py tests/kvcache/test_cache_layout.py \
-  tests/kvcache/test_device_staging.py tests/wire/test_codec.py
+  tests/kvcache/test_device_staging.py tests/wire/test_codec.py tests/backends/cuda_ipc/test_cuda_ipc.py \
+  tests/backends/test_conformance.py
 
 gpu-wheels: env
 	for v in $(GPU_PY_VERSIONS); do \
@@ -73,6 +74,7 @@ gpu-check:
 	OMNIKV_TEST_DEVICE=cuda PYTHONPATH=$(CURDIR) $(GPU_PY) -m pytest -q -p no:cacheprovider \
 	  $(GPU_TESTS) -k "layout or emulat or accelerator or cuda"
 	PYTHONPATH=$(CURDIR) $(GPU_PY) benchmarks/gpu_copy_bench.py --out $(GPU_OUT)/gpu_copy_bench.json
+	PYTHONPATH=$(CURDIR) $(GPU_PY) benchmarks/cuda_ipc_bench.py --out $(GPU_OUT)/cuda_ipc_bench.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

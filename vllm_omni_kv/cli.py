@@ -17,6 +17,12 @@ from vllm_omni_kv import __version__
 # backend name -> (module with selftest(), the third-party modules it needs, install hint)
 BACKENDS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "shm": ("vllm_omni_kv.backends.shm.selftest", (), "Linux with /dev/shm"),
+    "shm (share_cache)": ("vllm_omni_kv.backends.shm.share_selftest", (), "Linux with /dev/shm"),
+    "cuda_ipc": (
+        "vllm_omni_kv.backends.cuda_ipc.selftest",
+        ("torch.cuda:available",),
+        "a CUDA GPU visible to this process (same host as its peer)",
+    ),
     "mooncake_te": (
         "vllm_omni_kv.backends.transfer_engine.mooncake",
         ("mooncake.engine",),
@@ -51,6 +57,12 @@ def _dist_version(*names: str) -> str | None:
 
 def _importable(modules: tuple[str, ...]) -> tuple[bool, str]:
     for m in modules:
+        if m == "torch.cuda:available":  # a device, not a module
+            import torch
+
+            if not torch.cuda.is_available():
+                return False, "no CUDA device visible to this process"
+            continue
         try:
             importlib.import_module(m)
         except Exception as e:  # ImportError, or a native library that fails to load

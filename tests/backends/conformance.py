@@ -314,6 +314,17 @@ def make_harness(name: str) -> Iterator[Harness]:
             yield h
         finally:
             h.close()
+    elif name in ("shm_share", "cuda_ipc"):  # payloads over shm, the cache exported
+        from vllm_omni_kv.backends.factory import OmniConnectorFactory
+        from vllm_omni_kv.backends.spec import ConnectorSpec
+
+        extra = {"namespace": f"conf{os.getpid()}", "share_cache": True}
+        spec = ConnectorSpec("shm" if name == "shm_share" else "cuda_ipc", extra)
+        h = LocalHarness(name, lambda: OmniConnectorFactory.create_connector(spec))
+        try:
+            yield h
+        finally:
+            h.close()
     elif name == "mooncake_te":
         h = MooncakeTEHarness()
         try:

@@ -17,10 +17,50 @@ from contextlib import ExitStack
 import pytest
 import torch
 
+from vllm_omni_kv.backends.base import OmniConnectorBase
 from vllm_omni_kv.errors import KVTransferError
 from vllm_omni_kv.wire.payload import KVCacheTransferData
 
-from .conformance import Harness, checksum, make_harness, wait_until
+from .conformance import (
+    Harness,
+    MooncakeTEHarness,
+    SenderProcess,
+    _RemoteProducer,
+    checksum,
+    make_harness,
+    te_config,
+    wait_until,
+)
+
+
+class MooncakeTECacheHarness(MooncakeTEHarness):
+    """Mooncake TE with ``register_cache`` on both sides; the consumer's (vLLM-like) KV
+    cache is registered beside its pool: payloads still travel through the pools."""
+
+    name = "mooncake_te_cache"
+
+    def __init__(self) -> None:
+        from vllm_omni_kv.backends.transfer_engine.mooncake import MooncakeTransferEngineConnector
+
+        self._cls = MooncakeTransferEngineConnector
+        self.proc = SenderProcess(te_config("sender", register_cache=True))
+        self.producer = _RemoteProducer(self.proc)
+        try:
+            self.consumer = self._cls(te_config("receiver", register_cache=True))
+            self.consumer.update_sender_info(self.proc.info["host"], self.proc.info["zmq_port"])
+            region = self.consumer.cache_region
+            assert region is not None
+            ctx = region.allocation_context()
+            assert ctx is not None
+            with ctx:
+                self.cache = torch.zeros(4 << 20, dtype=torch.int8)
+            assert region.export([self.cache.view(torch.float32).view(128, 2, 32, 128)])
+        except BaseException:
+            self.proc.stop()
+            raise
+
+    def fresh(self) -> OmniConnectorBase:
+        return self._cls(te_config("dual", pool_mib=4, register_cache=True))
 
 
 def _shm_param() -> object:
@@ -46,7 +86,13 @@ _NIXL = [
 
 BACKENDS = [
     _shm_param(),
+    "shm_share",  # share_cache: the same put/get contract with the cache region on
+    pytest.param(
+        "cuda_ipc",
+        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    ),
     pytest.param("mooncake_te", marks=[*_MC, pytest.mark.slow]),
+    pytest.param("mooncake_te_cache", marks=[*_MC, pytest.mark.slow]),
     pytest.param("nixl", marks=[*_NIXL, pytest.mark.slow]),
     pytest.param("mooncake_store", marks=[*_MC, pytest.mark.slow]),
 ]
@@ -64,11 +110,15 @@ def backend(
     request: pytest.FixtureRequest, harness_cache: tuple[ExitStack, dict[str, Harness]]
 ) -> Iterator[Harness]:
     name = request.param
-    if name == "shm":  # cheap, and the /dev/shm leak check is per test: one per test
+    if name in ("shm", "shm_share", "cuda_ipc"):  # cheap; the /dev/shm leak check is per test
         with make_harness(name) as h:
             yield h
         return
     stack, cache = harness_cache
+    if name == "mooncake_te_cache" and name not in cache:
+        h = MooncakeTECacheHarness()
+        stack.callback(h.close)
+        cache[name] = h
     if name not in cache:
         cache[name] = stack.enter_context(make_harness(name))
     yield cache[name]

@@ -6,6 +6,7 @@ import time
 from abc import ABC, abstractmethod
 from typing import Any
 
+from vllm_omni_kv.backends.cache_region import CacheRegion
 from vllm_omni_kv.closing import Closing
 from vllm_omni_kv.wire.stream import PayloadStream
 
@@ -26,6 +27,9 @@ class OmniConnectorBase(Closing, ABC):
 
     #: True when ``open_stream`` can hand over a frame while it is still being written.
     supports_streaming: bool = False
+    #: the producer's KV cache, exported for consumers to copy pages out of (None: the
+    #: backend moves packed frames only); see :mod:`vllm_omni_kv.backends.cache_region`
+    cache_region: CacheRegion | None = None
 
     _closed: bool = False
 

@@ -30,6 +30,7 @@ _BUILTIN: dict[str, tuple[str, str]] = {
     ),
     "YuanrongConnector": ("vllm_omni_kv.backends.yuanrong.datasystem", "YuanrongConnector"),
     "NixlConnector": ("vllm_omni_kv.backends.nixl.connector", "NixlConnector"),
+    "CudaIpcConnector": ("vllm_omni_kv.backends.cuda_ipc.connector", "CudaIpcConnector"),
     "YuanrongTransferEngineConnector": (
         "vllm_omni_kv.backends.transfer_engine.yuanrong",
         "YuanrongTransferEngineConnector",
@@ -46,6 +47,7 @@ ALIASES: dict[str, str] = {
     "yuanrong": "YuanrongConnector",
     "yuanrong_te": "YuanrongTransferEngineConnector",
     "nixl": "NixlConnector",
+    "cuda_ipc": "CudaIpcConnector",
 }
 
 

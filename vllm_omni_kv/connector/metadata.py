@@ -82,9 +82,11 @@ class OmniKVConnectorMetadata(KVConnectorMetadata):
     discards: list[DiscardSpec] = field(default_factory=list)
     # remote payloads of requests still waiting here: extend their producer-side leases
     extends: list[DiscardSpec] = field(default_factory=list)
+    # saved requests that finished without a handoff (aborted): nobody reads their payload
+    withdraws: list[str] = field(default_factory=list)
 
     def is_empty(self) -> bool:
-        return not (self.saves or self.loads or self.discards or self.extends)
+        return not (self.saves or self.loads or self.discards or self.extends or self.withdraws)
 
 
 @dataclass

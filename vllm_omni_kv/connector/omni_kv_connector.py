@@ -15,6 +15,7 @@ Enable it with::
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -107,6 +108,10 @@ class OmniKVConnector(KVConnectorBase_V1):
         return meta if isinstance(meta, OmniKVConnectorMetadata) else None
 
     # -- worker side -----------------------------------------------------------------------
+    def get_mem_pool_context(self) -> AbstractContextManager[Any] | None:
+        # vLLM allocates the KV cache inside it: the backend's exportable region, if any
+        return None if self._worker is None else self._worker.get_mem_pool_context()
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker_half.register_kv_caches(kv_caches)
 

@@ -19,9 +19,11 @@ from typing import Any, NamedTuple
 
 import torch
 
+from vllm_omni_kv.backends.cache_region import CacheRegion
 from vllm_omni_kv.connector.compat import COMPAT_KEY, CompatIdentity
 from vllm_omni_kv.connector.engine_layout import EngineLayout
 from vllm_omni_kv.connector.metadata import LoadSpec
+from vllm_omni_kv.connector.shared_sends import SharedCopy
 from vllm_omni_kv.errors import ConfigError, KVPayloadError
 from vllm_omni_kv.kvcache.cache_layout import KVLayoutId, block_kv
 from vllm_omni_kv.kvcache.formats import InjectionPlan, plan_injection
@@ -33,6 +35,7 @@ from vllm_omni_kv.kvcache.kv_utils import (
 )
 from vllm_omni_kv.kvcache.meta import PayloadMeta
 from vllm_omni_kv.kvcache.paged_blocks import blocks_to_tokens, is_block_payload
+from vllm_omni_kv.kvcache.shared_pages import is_shared_payload
 from vllm_omni_kv.kvcache.token_major import inject_request_kv
 from vllm_omni_kv.transfer.parts import part_layer_count
 from vllm_omni_kv.transfer.session import TransferSession
@@ -173,9 +176,12 @@ def receive(
     deadline: float,
     cancel: threading.Event,
     compat: CompatIdentity | None = None,
+    region: CacheRegion | None = None,
 ) -> Received:
     """Load tokens ``[num_local_tokens, num_prompt_tokens)`` of ``spec``; every payload
-    must carry ``compat`` (this engine's compatibility identity) when it is given."""
+    must carry ``compat`` (this engine's compatibility identity) when it is given.
+    ``region``: the backend's cache region, which shared-pages payloads are copied
+    through (straight from the producer's cache)."""
     with device_writes(layers[0].cache.device if layers else None):
         caches: list[Any] = [x.cache for x in layers]
         write = [0.0]
@@ -184,9 +190,17 @@ def receive(
         start = spec.num_local_tokens
         if len(keys) == 1 and not topo.is_heterogeneous:
             key, endpoint = keys[0]
+            shared: list[SharedCopy] = []
+            verify = bool(getattr(session.backend, "verify", True))
 
             def plan(part: dict[str, Any], layer_start: int) -> InjectionPlan:
                 check_payload(part, spec, block_size, compat)
+                if is_shared_payload(part) and ident is not None:
+                    copy = SharedCopy(
+                        part, region, caches, ident, spec.block_ids, start // block_size, verify
+                    )
+                    shared.append(copy)
+                    return _Timed(copy, write)
                 blocks = is_block_payload(part)
                 local = (caches if blocks else token_caches(layers))[
                     layer_start : layer_start + part_layer_count(part)
@@ -198,11 +212,16 @@ def receive(
                 return _Timed(injection, write)
 
             _n, moved = session.receive_into(key, endpoint, deadline, plan, cancel)
+            moved += sum(c.moved for c in shared)
             return Received(spec.num_load_tokens, moved, write[0])
         payloads, moved = [], 0
         for key, endpoint in keys:
             obj, n = session.fetch(key, endpoint, deadline, cancel)
             check_payload(obj, spec, block_size, compat)
+            if is_shared_payload(obj):
+                raise KVPayloadError(
+                    "a shared-pages payload needs equal producer and consumer TP sizes"
+                )
             payloads.append(blocks_to_tokens(obj) if is_block_payload(obj) else obj)
             moved += n
         merged = merge_received_rank_shards(payloads)

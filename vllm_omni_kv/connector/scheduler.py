@@ -82,6 +82,7 @@ class OmniKVScheduler:
         self._loading: dict[str, LoadSpec] = {}
         self._load_results: dict[str, dict[str, Any]] = {}
         self._discards: list[DiscardSpec] = []
+        self._withdraws: list[str] = []  # saved requests aborted: their payload goes unread
         # consumer: requests served from the local prefix cache (payload released, not pulled)
         self._local_hits: set[str] = set()
         # consumer: requests that wait for blocks, whose payload leases are extended
@@ -197,9 +198,10 @@ class OmniKVScheduler:
         params["do_remote_prefill"] = False
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OmniKVConnectorMetadata:
-        meta = OmniKVConnectorMetadata(loads=self._new_loads, discards=self._discards)
-        self._new_loads = []
-        self._discards = []
+        meta = OmniKVConnectorMetadata(
+            loads=self._new_loads, discards=self._discards, withdraws=self._withdraws
+        )
+        self._new_loads, self._discards, self._withdraws = [], [], []
         if self._waiting and (now := time.monotonic()) >= self._next_extend:
             meta.extends = list(self._waiting.values())
             self._next_extend = now + extend_every(self.cfg.send_ttl)
@@ -254,6 +256,7 @@ class OmniKVScheduler:
                 RequestStatus.FINISHED_LENGTH_CAPPED,
                 RequestStatus.FINISHED_STOPPED,
             ):
+                self._withdraws.append(req_id)  # no consumer will come for it
                 return True, None
             return True, {
                 "do_remote_prefill": True,

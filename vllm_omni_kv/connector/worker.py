@@ -25,7 +25,7 @@ import functools
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -43,8 +43,11 @@ from vllm_omni_kv.connector.metadata import (
     OmniKVWorkerMetadata,
     SaveSpec,
 )
+from vllm_omni_kv.connector.outcome import Outcome as _Outcome
+from vllm_omni_kv.connector.outcome import report
 from vllm_omni_kv.connector.receive import LayerCache, layer_caches, receive, token_caches
 from vllm_omni_kv.connector.send_leases import SendLeases, extend_payload
+from vllm_omni_kv.connector.shared_sends import SharedSends
 from vllm_omni_kv.connector.stats import OmniKVConnectorStats
 from vllm_omni_kv.errors import (
     ConfigError,
@@ -69,32 +72,11 @@ logger = init_logger(__name__)
 
 #: longest wait for loads to land on an engine step that has nothing else to do
 IDLE_WAIT_S = 0.1
+#: longest wait for a consumer to release held blocks on a step with nothing to compute
+#: (short: a new request arriving meanwhile waits for the next step)
+HOLD_WAIT_S = 0.02
 #: how often the payloads-held gauge asks the backend
 HELD_EVERY_S = 1.0
-
-
-@dataclass
-class _Outcome:
-    req_id: str
-    ok: bool
-    block_ids: list[int] = field(default_factory=list)
-    tokens: int = 0
-    nbytes: int = 0
-    seconds: float = 0.0
-    write_seconds: float = 0.0  # verifying and writing the bytes into the cache
-    error: str = ""
-    timed_out: bool = False
-    refused: bool = False  # the payload was refused (prompt, model, layout, bytes)
-    cancelled: bool = False
-
-    @property
-    def reason(self) -> str:
-        """Why the load failed (a ``FAILURE_REASONS`` value of the stats)."""
-        if self.timed_out:
-            return "timeout"
-        if self.cancelled:
-            return "cancelled"
-        return "refused" if self.refused else "transport"
 
 
 class OmniKVWorker:
@@ -158,6 +140,12 @@ class OmniKVWorker:
         self._closed = False
         self._held_checked = 0.0
         self._stager: DeviceStager | None = None  # CUDA caches: one staging buffer per device
+        self._region = backend.cache_region  # consumers copy pages out of our cache
+        self._shared: SharedSends | None = None  # set once the cache is in the region
+
+    def get_mem_pool_context(self) -> AbstractContextManager[Any] | None:
+        """Where vLLM allocates the KV cache: the backend's exportable region, if any."""
+        return None if self._region is None else self._region.allocation_context()
 
     # -- setup ---------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -180,6 +168,10 @@ class OmniKVWorker:
         dev = self.layers[0].cache.device if self.layers else None
         if dev is not None and dev.type == "cuda" and self.paged_blocks and self.cfg.staging_bytes:
             self._stager = DeviceStager(dev, self.cfg.staging_bytes)
+        if self._region is not None and self.layers:
+            self._shared = SharedSends.create(
+                self.session, self._region, self.layers, self.paged_blocks, cfg=self.cfg
+            )
         if self.layers:
             ident = self.layers[0].ident
             logger.info(
@@ -195,7 +187,7 @@ class OmniKVWorker:
             )
 
     # -- send ----------------------------------------------------------------------------
-    def _payload(self, spec: SaveSpec) -> tuple[KVCacheTransferData, int]:
+    def _payload(self, spec: SaveSpec, hold: str = "") -> tuple[KVCacheTransferData, int]:
         """The request's payload and its verification chunk (one paged block)."""
         md = {
             "prompt_digest": spec.prompt_digest,
@@ -206,6 +198,8 @@ class OmniKVWorker:
             COMPAT_KEY: self.compat.to_dict(),
         }
         ident = self.layers[0].ident
+        if hold and self._shared is not None:
+            return self._shared.payload(spec, self.layers, hold, md), ident.page_bytes
         if self.paged_blocks:
             data = extract_request_blocks(
                 spec.transfer_id,
@@ -226,16 +220,25 @@ class OmniKVWorker:
         )
         return data, ident.page_bytes // 2
 
-    def _send(self, spec: SaveSpec) -> None:
+    def _send(self, spec: SaveSpec) -> bool:
+        """Publish the request's payloads; True when they name blocks of this cache."""
         t0 = time.perf_counter()
+        shared = self._shared
+        holds: list[tuple[str, str]] = []
         try:
             topo = KVTPTopology(self.tp_size, self.target_tp_size, self.tp_rank)
             total = 0
             for key in self.session.send_keys(spec.transfer_id, topo):
-                data, chunk = self._payload(spec)
+                if shared is not None:
+                    holds.append((key, shared.hold(key)))
+                data, chunk = self._payload(spec, holds[-1][1] if holds else "")
                 total += self.session.send(key, data, chunk_bytes=chunk)
                 self._leases.add(key, len(split_payload(data, self.session.part_limit())))
+            if shared is not None:
+                shared.add(spec.req_id, holds)
         except Exception as e:  # the consumer will time out and recompute
+            for _key, hold in holds:
+                self._release_hold(hold=hold)
             self.stats.record_send(0, 0.0, ok=False)
             logger.error(
                 "OmniKVConnector: sending the KV of request %s failed: %s; the consumer will "
@@ -244,7 +247,7 @@ class OmniKVWorker:
                 e,
                 exc_info=not isinstance(e, OmniKVError),
             )
-            return
+            return False
         dt = time.perf_counter() - t0
         self.stats.record_send(total, dt, ok=True)
         logger.debug(
@@ -254,13 +257,14 @@ class OmniKVWorker:
             total,
             dt * 1e3,
         )
+        return shared is not None
 
     def wait_for_save(self, meta: OmniKVConnectorMetadata | None) -> None:
         if meta is not None and meta.saves:
             for spec in meta.saves:
-                self._send(spec)
-                with self._lock:
-                    self._sent_unreported.add(spec.req_id)
+                if not self._send(spec):  # shared pages are reported once copied
+                    with self._lock:
+                        self._sent_unreported.add(spec.req_id)
 
     # -- receive -------------------------------------------------------------------------
     def start_load_kv(self, meta: OmniKVConnectorMetadata | None, idle_step: bool = False) -> None:
@@ -272,6 +276,8 @@ class OmniKVWorker:
             self._pool.submit(self._discard, d)
         for d in meta.extends:
             self._pool.submit(self._extend, d)
+        if meta.withdraws and self._shared is not None:
+            self._shared.withdraw(meta.withdraws)
         for spec in meta.loads:
             cancel = threading.Event()
             fut = self._pool.submit(self._load, spec, now + self.cfg.recv_timeout, cancel)
@@ -323,10 +329,12 @@ class OmniKVWorker:
                 deadline,
                 cancel,
                 self.compat,
+                self._region,
             )
         except KVTransferCancelled as e:
             for (key, _r), ep in zip(keys, endpoints, strict=True):  # tell the producer
                 try:
+                    self._release_hold(key)
                     self.session.discard(key, ep)
                 except Exception as err:  # best effort: the producer expires it anyway
                     logger.debug("discarding %s after cancel: %s", key, err)
@@ -357,10 +365,17 @@ class OmniKVWorker:
             topo = self._topology(d.source_tp_size)
             for key, from_rank in self.session.recv_keys(d.transfer_id, topo):
                 ep = sender_endpoint(d.remote_host, d.remote_port, from_rank)
+                self._release_hold(key)
                 if self.session.discard(key, ep):
                     logger.debug("request %s is fully cached here: released %s", d.req_id, key)
         except Exception as e:  # best effort: the producer expires it after send_ttl
             logger.debug("discarding the payload of %s: %s", d.req_id, e)
+
+    def _release_hold(self, key: str = "", hold: str = "") -> None:
+        """A payload that will not be read: release its hold (by key or name), if any."""
+        if self._region is not None:
+            s = self.session
+            self._region.release(hold or self._region.hold_name(s.from_stage, s.to_stage, key))
 
     def _extend(self, d: DiscardSpec) -> None:
         """A request waiting here for blocks: extend its payload's lease at the producer."""
@@ -407,6 +422,8 @@ class OmniKVWorker:
             sending = self._sent_unreported & finished_req_ids
             self._sent_unreported -= sending
             outcomes, self._outcomes = self._outcomes, []
+        if self._shared is not None:
+            sending |= self._shared.done(finished_req_ids, wait=HOLD_WAIT_S * self._idle_step)
         recving: set[str] = set()
         for out in outcomes:
             recving.add(out.req_id)
@@ -414,40 +431,7 @@ class OmniKVWorker:
         return sending, recving
 
     def _report(self, out: _Outcome) -> None:
-        self.stats.record_recv(out.nbytes, out.seconds, out.tokens, out.ok, out.reason)
-        self._worker_meta[out.req_id] = {
-            "ok": out.ok,
-            "tokens": out.tokens,
-            "bytes": out.nbytes,
-            "seconds": round(out.seconds, 6),
-            "write_seconds": round(out.write_seconds, 6),
-            "error": out.error,
-        }
-        if out.ok:
-            logger.debug(
-                "loaded %d tokens of %s: %d bytes in %.2f ms",
-                out.tokens,
-                out.req_id,
-                out.nbytes,
-                out.seconds * 1e3,
-            )
-        elif out.cancelled:
-            logger.info(
-                "OmniKVConnector: KV load of request %s cancelled after %.3fs (%s)",
-                out.req_id,
-                out.seconds,
-                out.error,
-            )
-        else:
-            self._invalid_blocks.update(out.block_ids)
-            logger.warning(
-                "OmniKVConnector: KV load of request %s failed after %.2fs: %s; its %d blocks "
-                "are reported invalid (kv_load_failure_policy decides: recompute or fail)",
-                out.req_id,
-                out.seconds,
-                out.error,
-                len(out.block_ids),
-            )
+        self._worker_meta[out.req_id] = report(out, self.stats, self._invalid_blocks)
 
     def take_invalid_block_ids(self) -> set[int]:
         out, self._invalid_blocks = self._invalid_blocks, set()
@@ -486,6 +470,8 @@ class OmniKVWorker:
                 cancel.set()
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._leases.close()
+        if self._shared is not None:
+            self._shared.close()
         if self._stager is not None:
             self._stager.close()
         try:

@@ -13,6 +13,8 @@ Formats:
   (:class:`~vllm_omni_kv.kvcache.cache_layout.KVLayoutId` as a mapping).
 * ``token_major``: ``[rows, heads, head_dim]`` K and V per layer
   (``layer_blocks["key_cache"]`` / ``["value_cache"]``).
+* ``shared_pages``: no KV bytes; block ids in a cache the consumer maps
+  (:mod:`vllm_omni_kv.kvcache.shared_pages`), with ``kv_layout`` as for paged blocks.
 
 Both carry ``num_tokens`` (tokens of KV described), ``block_size``, ``rows``
 (token slots each layer's tensors hold: whole blocks for ``paged_blocks``, at
@@ -29,7 +31,8 @@ from vllm_omni_kv.kvcache.cache_layout import KVLayoutId
 
 PAGED_BLOCKS = "paged_blocks"
 TOKEN_MAJOR = "token_major"
-FORMATS = (PAGED_BLOCKS, TOKEN_MAJOR)
+SHARED_PAGES = "shared_pages"
+FORMATS = (PAGED_BLOCKS, TOKEN_MAJOR, SHARED_PAGES)
 
 _INTS = ("num_tokens", "block_size", "rows", "num_layers")
 
@@ -63,7 +66,7 @@ class PayloadMeta:
             raise KVPayloadError(
                 f"KV payload holds {self.rows} token rows for {self.num_tokens} tokens"
             )
-        if self.format == PAGED_BLOCKS:
+        if self.format in (PAGED_BLOCKS, SHARED_PAGES):
             if self.rows % self.block_size:
                 raise KVPayloadError("a paged-blocks payload holds whole blocks")
             if self.kv_layout is None:

@@ -18,6 +18,10 @@ consumer caches its mappings of them. Files in ``/dev/shm``:
   pid, pooled, owner}`` pointing into a segment, or ``b"I"`` + an inline frame for small
   payloads. Written under a temporary name then renamed, so readers never see
   half of one; claimed by renaming (one reader wins).
+* ``omnikv_hold_<ns>_<digest>`` - the hold on the blocks of one shared-pages payload
+  (:mod:`vllm_omni_kv.backends.shm.cache_region`): it names the producer's cache
+  segment (``omnikv_seg_<pid>_<ns>_kv<id>``, the KV cache itself at offset 4096), a
+  reader locks it while copying and unlinks it when done.
 
 The consumer (:mod:`vllm_omni_kv.backends.shm.reader`) returns a segment to its
 producer (state FREE) when the last tensor view of the decoded object is garbage
@@ -90,6 +94,7 @@ SHM_DIR = "/dev/shm"
 PREFIX = "omnikv_"
 SEG_PREFIX = PREFIX + "seg_"
 IDX_PREFIX = PREFIX + "idx_"
+HOLD_PREFIX = PREFIX + "hold_"
 SLOT_WORDS = 8  # state, generation, progress, abandoned, owner, beat, pidns, reader: u64 each
 DATA_OFFSET = 64
 FREE, PUBLISHED, ONESHOT, STREAMING, ABORTED = 0, 1, 2, 3, 4
@@ -129,7 +134,7 @@ def namespace_files(namespace: str) -> set[str]:
         return set()
     out = set()
     for n in names:
-        if n.startswith(IDX_PREFIX + tag + "_"):
+        if n.startswith((IDX_PREFIX + tag + "_", HOLD_PREFIX + tag + "_")):
             out.add(n)
         elif n.startswith(SEG_PREFIX) and n[len(SEG_PREFIX) :].split("_")[1:2] == [tag]:
             out.add(n)
@@ -275,6 +280,9 @@ def _owner_pid(name: str) -> int | None:
     try:
         if name.startswith(SEG_PREFIX):
             return int(name[len(SEG_PREFIX) :].split("_", 1)[0])
+        if name.startswith(HOLD_PREFIX):  # the producer whose cache segment it names
+            seg = _hold_segment(name)
+            return _owner_pid(seg) if seg is not None else None
         if ".claim" in name:
             return int(name.split(".claim", 1)[1].split("_", 1)[0])
         if name.startswith(IDX_PREFIX) and ".tmp" not in name:
@@ -287,6 +295,13 @@ def _owner_pid(name: str) -> int | None:
     return None
 
 
+def _hold_segment(name: str) -> str | None:
+    """The cache segment a hold file names; None while it is being written (or not ours)."""
+    with open(path(name), "rb") as f:
+        seg = f.read(256).decode("ascii", "replace")
+    return seg if seg.startswith(SEG_PREFIX) and "/" not in seg else None
+
+
 def _orphaned(name: str, st: os.stat_result, stale_s: float) -> bool:
     """Whether the arena file ``name`` (status ``st``) belongs to no live process."""
     if ".claim" in name or ".tmp" in name:
@@ -295,6 +310,11 @@ def _orphaned(name: str, st: os.stat_result, stale_s: float) -> bool:
         return time.time() - st.st_ctime > stale_s
     if name.startswith(SEG_PREFIX):
         return _segment_orphaned(name, _owner_pid(name), stale_s)
+    if name.startswith(HOLD_PREFIX):  # goes with the cache segment it names
+        seg = _hold_segment(name)
+        if seg is None:
+            return time.time() - st.st_ctime > stale_s  # being created, or not ours
+        return _segment_orphaned(seg, _owner_pid(seg), stale_s)
     if name.startswith(IDX_PREFIX):
         with open(path(name), "rb") as f:
             entry = f.read()

@@ -34,8 +34,10 @@ import time
 from typing import Any
 
 from vllm_omni_kv.backends.base import OmniConnectorBase
+from vllm_omni_kv.backends.cache_region import CacheRegion
 from vllm_omni_kv.backends.keys import key_of_request
 from vllm_omni_kv.backends.shm import arena, producer, reader
+from vllm_omni_kv.backends.shm.cache_region import ShmCacheRegion
 from vllm_omni_kv.backends.stats import COMMON, Counters
 from vllm_omni_kv.errors import BackendUnavailable, ConfigError, KVTransferError
 from vllm_omni_kv.logger import init_logger
@@ -50,6 +52,14 @@ def index_name(namespace: str, from_stage: str, to_stage: str, key: str) -> str:
     ident = "\0".join((namespace, str(from_stage), str(to_stage), str(key)))
     digest = hashlib.blake2b(ident.encode(), digest_size=16).hexdigest()
     return f"{arena.IDX_PREFIX}{arena.namespace_tag(namespace)}_{digest}"
+
+
+def _flag(value: Any, name: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+        return value.lower() in ("true", "1")
+    raise ConfigError(f"SharedMemoryConnector: {name} must be true or false, got {value!r}")
 
 
 def _ordered_stores() -> bool:
@@ -71,7 +81,10 @@ class SharedMemoryConnector(OmniConnectorBase):
     ``open_stream`` readers overlap their copy with the producer's; default
     true on x86-64, whose store ordering the protocol relies on),
     ``heartbeat_stale_s`` (a producer heartbeat or reader lease older than this counts
-    as dead; default 10, at least 3).
+    as dead; default 10, at least 3), ``share_cache`` (allocate the producer's host KV
+    cache in shared memory and send block ids instead of bytes, so a consumer copies its
+    pages once, cache to cache; default false; see
+    :mod:`vllm_omni_kv.backends.shm.cache_region`).
     Remote-transport metadata (``source_host``...) is ignored: lookups are by key.
     """
 
@@ -120,6 +133,8 @@ class SharedMemoryConnector(OmniConnectorBase):
             stale_s=self.stale_s,
         )
         self._maps = reader.ConsumerMaps(stale_s=self.stale_s)
+        if _flag(self.config.get("share_cache", False), "share_cache"):
+            self.cache_region = self._make_region()
         self._lock = threading.Lock()
         # index entries this process published and nobody claimed yet: name -> (key, time)
         self._owned: dict[str, tuple[str, float, int]] = {}  # name -> (key, put at, bytes)
@@ -129,6 +144,9 @@ class SharedMemoryConnector(OmniConnectorBase):
         if swept:
             logger.info("removed %d shared-memory files left by exited processes", len(swept))
         self._closed = False
+
+    def _make_region(self) -> CacheRegion:
+        return ShmCacheRegion(self.namespace, self._arena, self.stale_s)
 
     # -- producer ----------------------------------------------------------------------
     def put(
@@ -314,6 +332,8 @@ class SharedMemoryConnector(OmniConnectorBase):
             self._owned.clear()
         for n in names:
             arena.unlink_quiet(n)
+        if self.cache_region is not None:
+            self.cache_region.close()
         self._maps.close()
         self._arena.close()
 

@@ -70,6 +70,7 @@ class ProducerArena:
         self.reclaimed = 0  # claimed segments taken back from dead readers
         self._segments: list[Segment] = []
         self._oneshots: dict[str, Segment] = {}  # published one-off segments not yet unlinked
+        self._adopted: list[Segment] = []  # segments kept alive by the heartbeat, never reused
         self._uses = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -148,6 +149,13 @@ class ProducerArena:
             seg.unmap()
             unlink_quiet(seg.name)
 
+    def adopt(self, seg: Segment) -> None:
+        """Beat ``seg`` (created by this process with its header) until :meth:`close`,
+        which unlinks it; the arena never hands it out."""
+        with self._lock:
+            self._adopted.append(seg)
+        self._start_beating()
+
     # -- heartbeat and reader leases -----------------------------------------------------
     def _start_beating(self) -> None:
         with self._lock:
@@ -171,7 +179,8 @@ class ProducerArena:
         with self._lock:
             pooled = list(self._segments)
             shots = list(self._oneshots.values())
-        for seg in pooled + shots:
+            adopted = list(self._adopted)
+        for seg in pooled + shots + adopted:
             seg.words()[W_BEAT] = ms
         for seg in pooled:
             if self._reader_died(seg, (PUBLISHED, ABORTED)):
@@ -231,7 +240,8 @@ class ProducerArena:
         with self._lock:
             segs, self._segments = self._segments, []
             shots, self._oneshots = list(self._oneshots.values()), {}
-        for seg in segs + shots:
+            adopted, self._adopted = self._adopted, []
+        for seg in segs + shots + adopted:
             seg.unmap()
             unlink_quiet(seg.name)
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from vllm_omni_kv.backends.shm import arena
 from vllm_omni_kv.backends.shm.connector import SharedMemoryConnector
 from vllm_omni_kv.wire.payload import KVCacheTransferData
 
@@ -30,7 +31,7 @@ def selftest() -> dict[str, Any]:
         same = torch.equal(got[0]["layer_blocks"]["key_cache"][0], k)
         del got
     ms = (time.perf_counter() - t0) * 1e3
-    leftover = [n for n in os.listdir("/dev/shm") if n.startswith("omnikv_") and ns in n]
+    leftover = sorted(arena.namespace_files(ns))
     ok = same and not leftover
     return {
         "ok": ok,

@@ -206,6 +206,24 @@ class ExposureTable:
             e = self._by_token.get(self._by_key.get(key, ""))
             return None if e is None or e.retired else e.extended
 
+    def exposed(self, key: str) -> bool:
+        """Whether a block of ``key`` (retired ones too) is still held."""
+        with self._lock:
+            return any(e.key == key for e in self._by_token.values())
+
+    def withdraw(self, key: str) -> bool:
+        """Free every block of ``key`` (retired ones too) unless a receiver holds a lease
+        on one that has not run out (an expired lease of a dead receiver does not count);
+        True when none is left."""
+        now = time.monotonic()
+        with self._lock:
+            hits = [e for e in self._by_token.values() if e.key == key]
+            if any(deadline >= now for e in hits for deadline in e.leases.values()):
+                return False
+            for e in hits:
+                self._free_locked(e)
+            return True
+
     # -- owner operations ------------------------------------------------------------
     def retain(self, key: str, pulls: int) -> bool:
         with self._lock:

@@ -21,7 +21,11 @@ put before the block is freed; 0 = until cleanup/TTL), ``buffer_ttl_s``,
 RDMA/TCP already protect the bytes in flight), ``tcp_progress_timeout_s``
 (default 3: Mooncake's TCP transport drops a connection that moves no byte for
 this long, and the pull is retried on a fresh one; it sets
-``MC_TCP_PROGRESS_TIMEOUT_SEC`` unless that is already in the environment).
+``MC_TCP_PROGRESS_TIMEOUT_SEC`` unless that is already in the environment),
+``register_cache`` (default False: register the engine's host KV cache with the
+transfer engine, so that consumers pull the pages they lack straight out of it and
+payloads are small frames of block ids; see
+:mod:`vllm_omni_kv.backends.transfer_engine.cache_region`. Set it on both stages).
 
 Inside vLLM's CPU workers, pulls used to stall for seconds: the worker pins its
 busy-waiting main thread to one core and the transfer engine's I/O threads
@@ -39,8 +43,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from vllm_omni_kv.backends.transfer_engine.cache_region import TECacheRegion
 from vllm_omni_kv.backends.transfer_engine.pull import EngineAdapter, PullTransferConnector
-from vllm_omni_kv.errors import BackendUnavailable, KVTransferError
+from vllm_omni_kv.errors import BackendUnavailable, ConfigError, KVTransferError
 from vllm_omni_kv.logger import init_logger
 
 logger = init_logger(__name__)
@@ -121,6 +126,23 @@ class MooncakeTransferEngineConnector(PullTransferConnector):
     """Omni connector over the Mooncake Transfer Engine with a managed, registered pool."""
 
     backend_name = "mooncake_te"
+
+    def __init__(self, config: dict[str, Any] | None = None) -> None:
+        super().__init__(config)
+        flag = self.config.get("register_cache", False)
+        if isinstance(flag, str) and flag.lower() in ("true", "false", "1", "0"):
+            flag = flag.lower() in ("true", "1")
+        if not isinstance(flag, bool):
+            self.close()
+            raise ConfigError(f"register_cache must be true or false, got {flag!r}")
+        if flag:
+            self.cache_region = TECacheRegion(self)
+
+    def close(self) -> None:
+        """Unregister the KV cache (``register_cache``), then close the connector."""
+        if self.cache_region is not None and not self._closed:
+            self.cache_region.close()
+        super().close()
 
     def _make_engine(self) -> EngineAdapter:
         cfg = self.config

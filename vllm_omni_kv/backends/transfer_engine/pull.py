@@ -22,7 +22,7 @@ Data path (sender -> receiver):
    and releases without pulling.
 
 Buffers never pulled are freed ``buffer_ttl_s`` after ``put``, or after the last
-``extend`` a waiting consumer sent (each extends by at most ``buffer_ttl_s``).
+``extend`` of a waiting consumer (each by at most ``buffer_ttl_s``).
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from vllm_omni_kv.backends.transfer_engine.exposure import ExposureTable
 from vllm_omni_kv.backends.transfer_engine.pull_stream import (
     EngineAdapter,
     Lease,
+    LeaseBook,
     Puller,
     PullFailed,
     PullFrameStream,
@@ -107,6 +108,7 @@ class PullTransferConnector(OmniConnectorBase):
         self.sender_zmq_port: int | None = None if sp is None else int(sp)
         self._rank_senders: dict[int, tuple[str, int]] = {}
         self._exposed = ExposureTable(self.buffer_ttl_s, self.max_pulls, lease_slack_s)
+        self.leases = LeaseBook()  # the leases of this receiver's open streams
         self._stats = Counters(*COMMON, "timeouts", "failures")
         self._server: SideChannelServer | None = None
         self._client: SideChannelClient | None = None
@@ -183,11 +185,7 @@ class PullTransferConnector(OmniConnectorBase):
             holder = msg.get("holder")
             lease_s = msg.get("lease_s", self.transfer_timeout_s)
             if not isinstance(lease_s, int | float) or not 0 < lease_s < math.inf:
-                return {
-                    "ok": False,
-                    "reason": "error",
-                    "error": "lease_s must be a positive number",
-                }
+                return {"ok": False, "reason": "error", "error": "lease_s must be positive"}
             reply = self._exposed.acquire(
                 str(msg.get("key", "")),
                 min(float(lease_s), self.buffer_ttl_s),  # nobody pins a buffer for longer
@@ -309,10 +307,11 @@ class PullTransferConnector(OmniConnectorBase):
             return None
         md, lease_id = found
         size, session, src = int(md["data_size"]), str(md["session"]), int(md["src_addr"])
+        token = md.get("token", "")
         lease = Lease(
-            lambda ok: self._release_remote(
-                endpoint, key, md.get("token", ""), lease_id, success=ok
-            )
+            lambda ok: self._release_remote(endpoint, key, token, lease_id, success=ok),
+            self.leases,
+            key,
         )
         try:
             local = self.pool.alloc(max(size, 1))

@@ -111,18 +111,51 @@ class Puller:
 
 
 class Lease:
-    """The sender's hold on a block for one receiver; ``end`` tells the sender once."""
+    """The sender's hold on a block for one receiver; ``end`` tells the sender once.
+    With a ``book`` it is listed there under ``key`` (and this thread) until it ends."""
 
-    def __init__(self, end: Callable[[bool], bool]) -> None:
+    def __init__(
+        self, end: Callable[[bool], bool], book: LeaseBook | None = None, key: str = ""
+    ) -> None:
         self._end = end
         self.ended = False
+        self._book = book
+        self._slot = (key, threading.get_ident())
+        if book is not None:
+            book.add(self._slot, self)
 
     def end(self, success: bool) -> bool:
         """Release it; True when the block stayed live for the whole pull."""
         if self.ended:
             return True
         self.ended = True
+        if self._book is not None:
+            self._book.drop(self._slot, self)
         return self._end(success)
+
+
+class LeaseBook:
+    """The leases of a receiver's open streams, by key and opening thread: a cache region
+    ends the lease of the payload whose stream is open while it copies pages (the
+    stream is opened and its plan applied on one load thread)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: dict[tuple[str, int], Lease] = {}
+
+    def add(self, slot: tuple[str, int], lease: Lease) -> None:
+        with self._lock:
+            self._open[slot] = lease
+
+    def drop(self, slot: tuple[str, int], lease: Lease) -> None:
+        with self._lock:
+            if self._open.get(slot) is lease:
+                del self._open[slot]
+
+    def current(self, key: str) -> Lease | None:
+        """The live lease on ``key`` of a stream this thread opened, if any."""
+        with self._lock:
+            return self._open.get((key, threading.get_ident()))
 
 
 class PullFrameStream(ChunkedStream):

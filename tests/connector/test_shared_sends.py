@@ -1,0 +1,140 @@
+"""When a producer lets vLLM free the blocks of a one-copy send (``SharedSends``), on a real
+shared-memory backend with the cache in its region: only once vLLM finished the request
+and the consumer released the hold; never while a consumer copies; after the lease when
+nobody came; at once for an aborted request."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from vllm_omni_kv.backends.shm import arena
+from vllm_omni_kv.backends.shm.connector import SharedMemoryConnector
+from vllm_omni_kv.connector.config import parse_omni_kv_config
+from vllm_omni_kv.connector.metadata import SaveSpec
+from vllm_omni_kv.connector.receive import LayerCache
+from vllm_omni_kv.connector.shared_sends import SharedSends
+from vllm_omni_kv.kvcache.cache_layout import infer_identity
+from vllm_omni_kv.transfer.session import TransferSession
+
+BLOCKS, HEADS, BS, DIM, LAYERS = 64, 2, 32, 64, 2
+
+
+class Producer:
+    def __init__(self, ttl: float) -> None:
+        self.ns = f"pytest-sends-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.backend = SharedMemoryConnector({"namespace": self.ns, "share_cache": True})
+        region = self.backend.cache_region
+        assert region is not None
+        per = BLOCKS * HEADS * BS * 2 * DIM * 4
+        with region.allocation_context():
+            buf = torch.zeros(LAYERS * per, dtype=torch.int8)
+        views = [
+            buf[i * per : (i + 1) * per].view(torch.float32).view(BLOCKS, HEADS, BS, 2 * DIM)
+            for i in range(LAYERS)
+        ]
+        ident = infer_identity(views[0])
+        self.layers = [LayerCache(f"l{i}", v, ident, None) for i, v in enumerate(views)]
+        self.session = TransferSession(self.backend, "prefill", "decode")
+        cfg = parse_omni_kv_config({"send_ttl": ttl})
+        sends = SharedSends.create(self.session, region, self.layers, True, cfg)
+        assert sends is not None, "the cache was allocated in the region"
+        self.sends = sends
+
+    def send(self, req: str) -> str:
+        """Publish a one-copy payload for ``req``; return its hold."""
+        hold = self.sends.hold(req)
+        spec = SaveSpec(req, req, [3, 4], 50, prompt_digest="d")
+        data = self.sends.payload(spec, self.layers, hold, {})
+        self.session.send(req, data)
+        self.sends.add(req, [(req, hold)])
+        return hold
+
+    def close(self) -> None:
+        self.sends.close()
+        self.backend.close()
+        left = arena.namespace_files(self.ns)
+        assert not left, left
+
+
+@pytest.fixture
+def prod() -> Iterator[Producer]:
+    p = Producer(ttl=0.5)
+    yield p
+    p.close()
+
+
+def test_blocks_go_back_once_finished_and_released(prod: Producer) -> None:
+    hold = prod.send("r1")
+    assert prod.sends.done(set()) == set()  # vLLM has not finished it yet
+    assert prod.sends.done({"r1"}) == set()  # finished, but the consumer has not copied
+    prod.backend.cache_region.release(hold)  # what a consumer does after its copy
+    assert prod.sends.done(set()) == {"r1"}
+    assert len(prod.sends) == 0
+
+
+def test_a_consumer_copying_keeps_the_blocks_past_the_lease(prod: Producer) -> None:
+    hold = prod.send("r2")
+    entered, leave = threading.Event(), threading.Event()
+    reader = SharedMemoryConnector({"namespace": prod.ns, "share_cache": True})
+
+    def copy() -> None:
+        with reader.cache_region.reading(hold):  # type: ignore[union-attr]
+            entered.set()
+            leave.wait(10)
+
+    t = threading.Thread(target=copy)
+    t.start()
+    try:
+        assert entered.wait(5)
+        time.sleep(0.7)  # past send_ttl
+        assert prod.sends.done({"r2"}) == set(), "blocks freed under a reader"
+    finally:
+        leave.set()
+        t.join(5)
+        reader.close()
+    assert prod.sends.done(set()) == {"r2"}
+
+
+def test_nobody_comes_the_lease_runs_out(prod: Producer) -> None:
+    hold = prod.send("r3")
+    assert prod.sends.done({"r3"}) == set()
+    time.sleep(0.6)
+    assert prod.sends.done(set()) == {"r3"}
+    assert not os.path.exists(arena.path(hold))
+    late = SharedMemoryConnector({"namespace": prod.ns, "share_cache": True})
+    try:
+        assert late.open_stream("prefill", "decode", "r3") is None  # descriptor withdrawn
+    finally:
+        late.close()
+
+
+def test_an_aborted_request_frees_its_blocks_at_once(prod: Producer) -> None:
+    hold = prod.send("r4")
+    prod.sends.withdraw(["r4"])
+    assert prod.sends.done({"r4"}) == {"r4"}
+    assert not os.path.exists(arena.path(hold))
+
+
+def test_a_waiting_consumer_extends_the_lease(prod: Producer) -> None:
+    prod.send("r5")
+    consumer = SharedMemoryConnector({"namespace": prod.ns, "share_cache": True})
+    try:
+        assert consumer.extend("prefill", "decode", "r5", 60.0)
+        time.sleep(0.6)  # past send_ttl, within the extension
+        assert prod.sends.done({"r5"}) == set()
+        stream: Any = consumer.open_stream("prefill", "decode", "r5")
+        assert stream is not None
+        hold = stream.obj["metadata"]["shared"]["hold"]
+        with stream, consumer.cache_region.reading(hold):  # type: ignore[union-attr]
+            pass
+    finally:
+        consumer.close()
+    assert prod.sends.done(set()) == {"r5"}

@@ -1,0 +1,270 @@
+"""The producer's KV cache in a shared-memory file, and hold files on its blocks.
+
+Producer: vLLM allocates the KV cache as one ``torch.zeros(n, dtype=int8)`` on the
+host (``vllm.v1.worker.utils.allocate_kv_cache``); inside
+:meth:`ShmCacheRegion.allocation_context` that call returns a tensor over a new arena
+segment ``omnikv_seg_<pid>_<ns>_kv<id>`` instead (bytes at offset 4096; the slot header
+before them carries the heartbeat, so the sweeper removes the file of a dead
+producer). Any other allocation in the context is left alone.
+
+Holds (:class:`HoldFiles`, also used by the CUDA IPC region): one file per payload,
+``omnikv_hold_<ns>_<digest of edge and key>``, owner-only, naming the cache segment. A
+reader opens it, takes an exclusive ``flock``, checks it is still linked, copies, then
+unlinks it and closes (dropping the lock). The producer takes a hold back only when a
+non-blocking ``flock`` succeeds, and unlinks it under that lock, so it never takes back
+a hold a reader is copying under, and a reader never copies under a hold that was
+taken back. A reader that dies drops its lock with its process, in any PID namespace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import mmap
+import os
+import threading
+import uuid
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm_omni_kv.backends.cache_region import AllocateHostCache, CacheRegion
+from vllm_omni_kv.backends.shm import arena
+from vllm_omni_kv.backends.shm.liveness import (
+    W_BEAT,
+    W_OWNER,
+    W_PIDNS,
+    now_ms,
+    owner_alive,
+    pid_namespace,
+)
+from vllm_omni_kv.backends.shm.producer import ProducerArena
+from vllm_omni_kv.errors import KVPayloadError, KVTransferError
+from vllm_omni_kv.kvcache.shared_pages import layer_geometry
+from vllm_omni_kv.logger import init_logger
+
+logger = init_logger(__name__)
+
+#: where the KV bytes start in a cache segment (one page after the slot header)
+KV_OFFSET = 4096
+
+
+class HoldFiles:
+    """Hold files of one namespace (see the module docstring)."""
+
+    def __init__(self, namespace: str) -> None:
+        self.tag = arena.namespace_tag(namespace)
+        self.owner_name = ""  # producer: the segment its holds name (for the sweeper)
+        self._mine: set[str] = set()
+        self._lock = threading.Lock()
+
+    def hold_name(self, from_stage: str, to_stage: str, key: str) -> str:
+        digest = hashlib.blake2b(f"{from_stage}\0{to_stage}\0{key}".encode(), digest_size=16)
+        return f"{arena.HOLD_PREFIX}{self.tag}_{digest.hexdigest()}"
+
+    def hold(self, from_stage: str, to_stage: str, key: str) -> str:
+        name = self.hold_name(from_stage, to_stage, key)
+        try:
+            fd = os.open(arena.path(name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            raise KVTransferError(
+                f"a hold for key {key!r} on {from_stage}->{to_stage} already exists: use a "
+                "unique key per transfer"
+            ) from None
+        except OSError as e:
+            raise KVTransferError(f"cannot create hold file {name}: {e}") from e
+        try:
+            os.write(fd, self.owner_name.encode("ascii"))
+        finally:
+            os.close(fd)
+        with self._lock:
+            self._mine.add(name)
+        return name
+
+    def released(self, hold: str) -> bool:
+        if os.path.exists(arena.path(hold)):
+            return False
+        with self._lock:
+            self._mine.discard(hold)
+        return True
+
+    def take_back(self, hold: str) -> bool:
+        try:
+            fd = os.open(arena.path(hold), os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return self.released(hold)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                return False  # a reader is copying under it
+            raise
+        try:
+            if os.fstat(fd).st_nlink:
+                arena.unlink_quiet(hold)
+        finally:
+            os.close(fd)
+        with self._lock:
+            self._mine.discard(hold)
+        return True
+
+    @contextlib.contextmanager
+    def reading(self, hold: Any) -> Iterator[None]:
+        if not isinstance(hold, str) or not hold.startswith(arena.HOLD_PREFIX) or "/" in hold:
+            raise KVPayloadError(f"shared-pages payload names no valid hold: {hold!r}")
+        try:
+            fd = os.open(arena.path(hold), os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            raise KVTransferError(
+                "the producer already took back this payload's blocks (its lease ran out "
+                "before the copy began): the request is recomputed"
+            ) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if not os.fstat(fd).st_nlink:
+                raise KVTransferError(
+                    "the producer took back this payload's blocks as the copy began (its "
+                    "lease ran out): the request is recomputed"
+                )
+            try:
+                yield
+            finally:
+                arena.unlink_quiet(hold)
+        finally:
+            os.close(fd)  # drops the lock
+
+    def release(self, hold: str) -> None:
+        if hold.startswith(arena.HOLD_PREFIX) and "/" not in hold:
+            arena.unlink_quiet(hold)
+
+    def close_holds(self) -> None:
+        with self._lock:
+            mine, self._mine = list(self._mine), set()
+        for name in mine:
+            arena.unlink_quiet(name)
+
+
+class ShmCacheRegion(HoldFiles, CacheRegion):
+    """A host KV cache in a shared-memory file (producer) / mappings of them (consumer)."""
+
+    kind = "shm"
+    digests = True
+
+    def __init__(self, namespace: str, producer: ProducerArena, stale_s: float) -> None:
+        super().__init__(namespace)
+        self.producer = producer
+        self.stale_s = stale_s
+        self.tensor: torch.Tensor | None = None
+        self._seg: arena.Segment | None = None
+        self._maps: dict[str, tuple[int, mmap.mmap, torch.Tensor]] = {}  # consumer side
+        self._maps_lock = threading.Lock()
+
+    # -- producer ------------------------------------------------------------------------
+    def allocation_context(self) -> AllocateHostCache:
+        return AllocateHostCache(self.allocate)
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        """A zeroed ``int8`` tensor of ``nbytes`` in a new cache segment of this process."""
+        name = f"{arena.SEG_PREFIX}{os.getpid()}_{self.tag}_kv{uuid.uuid4().hex[:14]}"
+        head = np.zeros(arena.SLOT_WORDS, dtype="<u8")
+        head[[W_OWNER, W_BEAT, W_PIDNS]] = (self.producer.instance, now_ms(), pid_namespace())
+        fd = arena._create_file(name, KV_OFFSET + nbytes, head.tobytes())
+        try:
+            mm = mmap.mmap(fd, KV_OFFSET + nbytes, flags=mmap.MAP_SHARED | arena.POPULATE)
+        except BaseException:
+            arena.unlink_quiet(name)
+            raise
+        finally:
+            os.close(fd)
+        arena.pin_map(mm)
+        self._seg = arena.Segment(name, nbytes, mm)
+        self.producer.adopt(self._seg)
+        self.owner_name = name
+        self.tensor = torch.frombuffer(mm, dtype=torch.int8, count=nbytes, offset=KV_OFFSET)
+        logger.info(
+            "KV cache (%.1f MiB) allocated in shared memory %s: consumers copy its pages directly",
+            nbytes / 2**20,
+            arena.path(name),
+        )
+        return self.tensor
+
+    def export(self, caches: Sequence[torch.Tensor]) -> tuple[dict[str, Any], int, int] | None:
+        if self.tensor is None or self._seg is None or not caches:
+            return None
+        base, nbytes = self.tensor.data_ptr(), int(self.tensor.numel())
+        if layer_geometry(caches, base, nbytes) is None:
+            return None
+        desc = {"kind": self.kind, "name": self._seg.name, "owner": self.producer.instance}
+        return desc, base, nbytes
+
+    # -- consumer ------------------------------------------------------------------------
+    def attach(self, descriptor: Any) -> torch.Tensor:
+        if not isinstance(descriptor, dict) or descriptor.get("kind") != self.kind:
+            raise KVPayloadError(f"not a shared-memory cache region: {descriptor!r}")
+        name, owner = descriptor.get("name"), descriptor.get("owner")
+        if not isinstance(name, str) or not name.startswith(arena.SEG_PREFIX) or "/" in name:
+            raise KVPayloadError(f"shared-pages payload names no cache segment: {name!r}")
+        dead: mmap.mmap | None = None
+        with self._maps_lock:
+            hit = self._maps.get(name)
+            if hit is not None and hit[0] == owner:
+                if self._alive(name, hit[1]):
+                    return hit[2]
+                dead = self._maps.pop(name)[1]  # unmapped below, so its memory can go
+            hit = None
+        if dead is not None:
+            arena.close_map(dead)
+            raise self._not_alive(name)
+        try:
+            fd = os.open(arena.path(name), os.O_RDWR | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            raise KVTransferError(
+                f"the producer's KV cache {arena.path(name)} is gone (the producer exited)"
+            ) from None
+        try:
+            size = os.fstat(fd).st_size
+            if size <= KV_OFFSET:
+                raise KVPayloadError(f"{arena.path(name)} is not a KV cache segment")
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        words = np.frombuffer(mm, dtype="<u8", count=arena.SLOT_WORDS)
+        if int(words[W_OWNER]) != owner:
+            del words
+            arena.close_map(mm)
+            raise KVTransferError(f"{arena.path(name)} belongs to another producer instance now")
+        del words
+        if not self._alive(name, mm):
+            arena.close_map(mm)
+            raise self._not_alive(name)
+        arena.pin_map(mm)
+        view = torch.frombuffer(mm, dtype=torch.uint8, count=size - KV_OFFSET, offset=KV_OFFSET)
+        with self._maps_lock:
+            old = self._maps.pop(name, None)
+            self._maps[name] = (owner, mm, view)
+        if old is not None:
+            arena.close_map(old[1])
+        return view
+
+    def _alive(self, name: str, mm: mmap.mmap) -> bool:
+        words = [int(w) for w in np.frombuffer(mm, dtype="<u8", count=arena.SLOT_WORDS)]
+        return owner_alive(words, arena._owner_pid(name), self.stale_s)
+
+    def _not_alive(self, name: str) -> KVTransferError:
+        return KVTransferError(
+            f"the producer owning {arena.path(name)} is not alive (no heartbeat for "
+            f"{self.stale_s:g}s)"
+        )
+
+    def close(self) -> None:
+        self.close_holds()
+        with self._maps_lock:
+            maps, self._maps = list(self._maps.values()), {}
+        for _owner, mm, _view in maps:
+            arena.close_map(mm)
+        # the cache segment is the arena's to unlink (adopted), after vLLM let go of it

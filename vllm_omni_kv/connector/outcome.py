@@ -1,0 +1,74 @@
+"""What one load did, and how a worker reports it (stats, scheduler metadata, logs)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_omni_kv.connector.stats import OmniKVConnectorStats
+from vllm_omni_kv.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class Outcome:
+    req_id: str
+    ok: bool
+    block_ids: list[int] = field(default_factory=list)
+    tokens: int = 0
+    nbytes: int = 0
+    seconds: float = 0.0
+    write_seconds: float = 0.0  # verifying and writing the bytes into the cache
+    error: str = ""
+    timed_out: bool = False
+    refused: bool = False  # the payload was refused (prompt, model, layout, bytes)
+    cancelled: bool = False
+
+    @property
+    def reason(self) -> str:
+        """Why the load failed (a ``FAILURE_REASONS`` value of the stats)."""
+        if self.timed_out:
+            return "timeout"
+        if self.cancelled:
+            return "cancelled"
+        return "refused" if self.refused else "transport"
+
+
+def report(out: Outcome, stats: OmniKVConnectorStats, invalid_blocks: set[int]) -> dict[str, Any]:
+    """Record ``out`` in ``stats`` (a failed load's blocks in ``invalid_blocks``), log it,
+    and return the ``omni_kv_load`` entry the scheduler half receives."""
+    stats.record_recv(out.nbytes, out.seconds, out.tokens, out.ok, out.reason)
+    if out.ok:
+        logger.debug(
+            "loaded %d tokens of %s: %d bytes in %.2f ms",
+            out.tokens,
+            out.req_id,
+            out.nbytes,
+            out.seconds * 1e3,
+        )
+    elif out.cancelled:
+        logger.info(
+            "OmniKVConnector: KV load of request %s cancelled after %.3fs (%s)",
+            out.req_id,
+            out.seconds,
+            out.error,
+        )
+    else:
+        invalid_blocks.update(out.block_ids)
+        logger.warning(
+            "OmniKVConnector: KV load of request %s failed after %.2fs: %s; its %d blocks "
+            "are reported invalid (kv_load_failure_policy decides: recompute or fail)",
+            out.req_id,
+            out.seconds,
+            out.error,
+            len(out.block_ids),
+        )
+    return {
+        "ok": out.ok,
+        "tokens": out.tokens,
+        "bytes": out.nbytes,
+        "seconds": round(out.seconds, 6),
+        "write_seconds": round(out.write_seconds, 6),
+        "error": out.error,
+    }
