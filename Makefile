@@ -74,7 +74,7 @@ gpu-check:
 	OMNIKV_TEST_DEVICE=cuda PYTHONPATH=$(CURDIR) $(GPU_PY) -m pytest -q -p no:cacheprovider \
 	  $(GPU_TESTS) -k "layout or emulat or accelerator or cuda"
 	PYTHONPATH=$(CURDIR) $(GPU_PY) benchmarks/gpu_copy_bench.py --out $(GPU_OUT)/gpu_copy_bench.json
-	PYTHONPATH=$(CURDIR) $(GPU_PY) benchmarks/cuda_ipc_bench.py --out $(GPU_OUT)/cuda_ipc_bench.json
+	PYTHONPATH=$(CURDIR) $(GPU_PY) benchmarks/region_bench.py --out $(GPU_OUT)/region_bench.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

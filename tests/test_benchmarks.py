@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from _models import REPO
 
+from vllm_omni_kv.backends.shm import arena
+
 
 @pytest.mark.slow
 def test_transfer_bench_quick_run_writes_json_and_plot(tmp_path: Path) -> None:
@@ -82,3 +84,66 @@ def test_pd_load_table_and_ratios_come_from_the_json() -> None:
     shm = next(ln for ln in lines if ln.startswith("| OmniKVConnector, shared memory"))
     assert "| 10.0 / 90.0 |" in shm and "| 3/4 |" in shm and "| 0.25× |" in shm, shm
     assert any("could not run: import nixl._api failed: boom" in ln for ln in lines), md
+
+
+@pytest.mark.slow
+def test_one_copy_bench_quick_run_writes_json_and_plot(tmp_path: Path) -> None:
+    """``one_copy_bench.py --quick``: the one-copy moves ran (the copied pages are compared
+    with the producer's inside the run), each against a memcpy of the same bytes, beside
+    the two-copy move; no file is left in /dev/shm under the benchmark's namespaces."""
+    out = tmp_path / "one_copy_bench.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "one_copy_bench.py"), "--quick"]
+        + ["--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert {r["size_mib"] for r in rows} == {1.0, 4.0}
+    assert len(result["load_average"]["before"]) == 3
+    for size in (1.0, 4.0):
+        mine = {r["path"]: r for r in rows if r["size_mib"] == size}
+        memcpy = mine["memcpy"]
+        assert memcpy["bytes"] == size * 2**20 and memcpy["gbps"] > 0.1
+        moves = [mine[p] for p in mine if "-copy " in p]
+        assert len(moves) == 4, sorted(mine)
+        for r in moves:  # a copy of `bytes` cannot beat memcpy by 3x, nor take a second
+            assert r["bytes"] == memcpy["bytes"]
+            assert 0 < r["fraction_of_memcpy"] < 3 and r["seconds"] < 1.0, r
+            assert len(r["fraction_samples"]) >= 1
+        verify = mine["one-copy move (share_cache), verify"]
+        assert verify["phases_s"]["SharedCopy + apply"] <= verify["seconds"]
+        # adding the producer's time (hold, digests, put) can only lower the ratio
+        assert 0 < verify["end_to_end_fraction_of_memcpy"] < verify["fraction_of_memcpy"]
+        assert mine["profile"]["steps_s"]["copy_pages, verify"] > 0
+    assert out.with_suffix(".png").stat().st_size > 10_000
+    namespaces = {ns for r in rows for ns in r.get("namespaces", [])}
+    assert len(namespaces) == 3  # one pair per size, one two-copy namespace
+    left = [f for ns in namespaces for f in arena.namespace_files(ns)]
+    assert not left, left
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["shm", "mooncake_cache"])
+def test_region_bench_moves_pages_against_its_limit(tmp_path: Path, backend: str) -> None:
+    """``region_bench.py`` on the host (what ``make gpu-check`` runs with ``cuda_ipc``): every
+    move copies the request's pages out of another process's cache, hold released, and is
+    compared with its path's limit measured in the same run."""
+    if backend == "mooncake_cache":
+        pytest.importorskip("mooncake.engine")
+    out = tmp_path / "region_bench.json"
+    cmd = [sys.executable, str(REPO / "benchmarks" / "region_bench.py"), "--device", "cpu"]
+    proc = subprocess.run(
+        [*cmd, "--backend", backend, "--sizes", "2", "--repeats", "2", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    pages = (2 << 20) // (8 * 8 * 16 * 256 * 2)  # 64 KiB pages of 8 layers
+    assert row["backend"] == backend and row["bytes"] == pages * 8 * 8 * 16 * 256 * 2
+    assert row["move_ms"] > 0 and row["baseline_ms"] > 0 and row["vs_baseline"] > 0

@@ -61,9 +61,13 @@ class CacheRegion(ABC):
 
     #: the region's kind, named in payloads (``shm``, ``cuda_ipc``)
     kind: str = ""
-    #: whether the producer adds a digest per page (host memory; a GPU cache would need
-    #: a device-to-host copy to hash)
-    digests: bool = True
+    #: consumer: the page views of the last producer region copied from (see copy_into)
+    _views: dict[Any, tuple[torch.Tensor, list[torch.Tensor]]]
+    #: whether the producer adds a digest per page, which consumers verify after copying
+    #: (the backend setting ``verify_pages``, host caches only: a GPU cache would need a
+    #: device-to-host copy to hash). Off by default: the hold already keeps the pages
+    #: unchanged while they are copied; digests catch bugs, at about a memcpy's cost more.
+    digests: bool = False
 
     # -- producer ------------------------------------------------------------------------
     @abstractmethod
@@ -115,15 +119,18 @@ class CacheRegion(ABC):
         producer's layer views lie in its region; ``sums``: per-layer page digests to
         verify (``pairs[j]`` is payload page ``first + j``). Called under the hold. The
         default maps the region (:meth:`attach`) and copies locally."""
-        base = self.attach(descriptor)
-        src = attach_layers(base, geometry, ident, caches[0].dtype)
-        return copy_pages(
-            [page_view(v, ident) for v in src],
-            [page_view(c, ident) for c in caches],
-            pairs,
-            sums,
-            first,
-        )
+        try:
+            base = self.attach(descriptor)  # checks the producer is alive, every time
+        except BaseException:
+            self._views = {}  # a dead producer's mapping must not stay pinned by our views
+            raise
+        key = (id(base), repr(geometry), ident, caches[0].dtype)
+        hit = getattr(self, "_views", {}).get(key)
+        if hit is None or hit[0] is not base:
+            src = attach_layers(base, geometry, ident, caches[0].dtype)
+            hit = (base, [page_view(v, ident) for v in src])
+            self._views = {key: hit}  # one producer's views: they stay valid while mapped
+        return copy_pages(hit[1], [page_view(c, ident) for c in caches], pairs, sums, first)
 
     @abstractmethod
     def reading(self, hold: Any) -> AbstractContextManager[Any]:

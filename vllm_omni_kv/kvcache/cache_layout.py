@@ -253,9 +253,10 @@ def block_kv(view: torch.Tensor, ident: KVLayoutId) -> tuple[torch.Tensor, torch
         return None
 
 
-def dense_pages(pv: torch.Tensor) -> bool:
-    """True when each page of ``pv`` (a :func:`page_view`) is one run of host memory."""
-    if pv.device.type != "cpu":
+def dense_pages(pv: torch.Tensor, host: bool = True) -> bool:
+    """True when each page of ``pv`` (a :func:`page_view`) is one run of host memory (of
+    memory on any device, with ``host=False``)."""
+    if host and pv.device.type != "cpu":
         return False
     expect = 1
     for size, stride in reversed(list(zip(pv.shape[1:], pv.stride()[1:], strict=True))):

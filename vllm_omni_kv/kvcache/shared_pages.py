@@ -156,7 +156,7 @@ def shared_fields(data: dict[str, Any]) -> tuple[PayloadMeta, dict[str, Any], li
     return meta, shared, ids
 
 
-def _runs(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int, int]]:
+def page_runs(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int, int]]:
     """``(index of first pair, src id, dst id, n)`` for runs consecutive on both sides."""
     runs: list[tuple[int, int, int, int]] = []
     for i, (s, d) in enumerate(pairs):
@@ -191,17 +191,22 @@ def copy_pages(
                 f"producer's {n_src} or destination pages {min(d_ids)}..{max(d_ids)} of "
                 f"{n_dst} lie outside a cache (a corrupt payload)"
             )
-    runs = _runs(pairs)
+    runs = page_runs(pairs)
     moved = 0
+    memmove = ctypes.memmove
     for layer, (sp, dp) in enumerate(zip(src, dst, strict=True)):
-        per = sp[0].numel() * sp.element_size()
-        host = dense_pages(sp) and dense_pages(dp) and sp.stride(0) * sp.element_size() >= per
+        esize = sp.element_size()
+        per = sp[0].numel() * esize
+        s_stride, d_stride = sp.stride(0) * esize, dp.stride(0) * dp.element_size()
+        host = dense_pages(sp) and dense_pages(dp) and s_stride >= per
+        if host and sums is None and s_stride == per == d_stride:
+            s_base, d_base = sp.data_ptr(), dp.data_ptr()  # the common case: a tight loop
+            for _i0, s0, d0, n in runs:
+                memmove(d_base + d0 * per, s_base + s0 * per, n * per)
+            moved += len(pairs) * per
+            continue
         for i0, s0, d0, n in runs:
             if host:
-                s_stride, d_stride = (
-                    sp.stride(0) * sp.element_size(),
-                    dp.stride(0) * dp.element_size(),
-                )
                 step = max(1, VERIFY_STEP // per) if s_stride == per == d_stride else 1
                 for j in range(0, n, step):
                     k = min(step, n - j)

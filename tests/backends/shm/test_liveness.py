@@ -337,3 +337,27 @@ def test_health_counts_the_bytes_of_unconsumed_payloads() -> None:
     finally:
         cons.close()
         prod.close()
+
+
+def _put_small_then_wait(ns: str, q) -> None:
+    tx = SharedMemoryConnector({"namespace": ns})
+    tx.put("a", "b", "small", torch.arange(16))  # under shm_threshold_bytes: inline
+    q.put("published")
+    time.sleep(60)
+
+
+def test_inline_entries_of_a_killed_producer_are_swept(ns: str) -> None:
+    # a small payload travels inside its index entry, which names its producer's pid
+    q = mp.get_context("spawn").Queue()
+    proc = mp.get_context("spawn").Process(target=_put_small_then_wait, args=(ns, q))
+    proc.start()
+    try:
+        assert q.get(timeout=WAIT) == "published"
+        entry = index_name(ns, "a", "b", "small")
+        assert entry in _files(ns)
+        assert entry not in _sweep(ns)  # its producer is alive
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(10)
+    assert entry in _sweep(ns)
+    assert not _files(ns)

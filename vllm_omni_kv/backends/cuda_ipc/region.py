@@ -196,6 +196,7 @@ class CudaIpcRegion(HoldFiles, CacheRegion):
 
     def close(self) -> None:
         self.close_holds()
+        self._views = {}
         with self._lock:
             self._opened.clear()  # drops the consumer's references to opened handles
         with contextlib.suppress(Exception):

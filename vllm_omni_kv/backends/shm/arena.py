@@ -15,8 +15,9 @@ consumer caches its mappings of them. Files in ``/dev/shm``:
   frame bytes are final) and ABORTED (the producer failed mid-write).
 * ``omnikv_idx_<ns>_<digest>`` - the index entry of one key: ``b"R"`` (complete) or
   ``b"S"`` (streamed: possibly still being written) + msgpack ``{seg, gen, size,
-  pid, pooled, owner}`` pointing into a segment, or ``b"I"`` + an inline frame for small
-  payloads. Written under a temporary name then renamed, so readers never see
+  pid, pooled, owner}`` pointing into a segment, or ``b"O"`` + the producer's pid and
+  PID-namespace inode + an inline frame for small payloads (swept once that pid is gone, when
+  it is in our PID namespace). Written under a temporary name then renamed, so readers never see
   half of one; claimed by renaming (one reader wins).
 * ``omnikv_hold_<ns>_<digest>`` - the hold on the blocks of one shared-pages payload
   (:mod:`vllm_omni_kv.backends.shm.cache_region`): it names the producer's cache
@@ -53,6 +54,7 @@ import hashlib
 import mmap
 import os
 import stat
+import struct
 import threading
 import time
 import uuid
@@ -72,6 +74,7 @@ from vllm_omni_kv.backends.shm.liveness import (
     W_READER,
     owner_alive,
     pid_alive,
+    pid_namespace,
 )
 from vllm_omni_kv.errors import KVTransferError
 from vllm_omni_kv.logger import init_logger
@@ -290,9 +293,40 @@ def _owner_pid(name: str) -> int | None:
                 entry = f.read()
             if entry[:1] in (b"R", b"S"):
                 return int(msgpack.unpackb(entry[1:])["pid"])
+            owner = inline_owner(entry)
+            if owner is not None and owner[1] == pid_namespace():
+                return owner[0]
     except (ValueError, KeyError, OSError, TypeError, msgpack.UnpackException):
         return None
     return None
+
+
+#: an inline index entry: ``b"O"`` + the producer's pid and PID-namespace inode (u64 each)
+#: + the frame (``b"I"`` + frame, without an owner, is still read)
+INLINE_OWNED = b"O"
+_INLINE_HEAD = struct.Struct("<QQ")
+
+
+def inline_entry(frame: bytes | bytearray) -> bytes:
+    """The index entry of a small frame carried inline, naming this process as its owner."""
+    return INLINE_OWNED + _INLINE_HEAD.pack(os.getpid(), pid_namespace()) + bytes(frame)
+
+
+def inline_frame(entry: bytes) -> bytes | None:
+    """The frame of an inline index entry; None for a segment reference."""
+    if entry[:1] == b"I":
+        return entry[1:]
+    if entry[:1] == INLINE_OWNED:
+        return entry[1 + _INLINE_HEAD.size :]
+    return None
+
+
+def inline_owner(entry: bytes) -> tuple[int, int] | None:
+    """``(pid, PID-namespace inode)`` of an owned inline entry's producer."""
+    if entry[:1] != INLINE_OWNED or len(entry) < 1 + _INLINE_HEAD.size:
+        return None
+    pid, pidns = _INLINE_HEAD.unpack_from(entry, 1)
+    return int(pid), int(pidns)
 
 
 def _hold_segment(name: str) -> str | None:
@@ -319,7 +353,10 @@ def _orphaned(name: str, st: os.stat_result, stale_s: float) -> bool:
         with open(path(name), "rb") as f:
             entry = f.read()
         if entry[:1] not in (b"R", b"S"):
-            return False  # inline entries name no owner: their producer withdraws them
+            owner = inline_owner(entry)  # gone with its producer; in another PID namespace
+            if owner is None or owner[1] != pid_namespace():  # a pid there means nothing,
+                return False  # and its producer withdraws it
+            return not pid_alive(owner[0])
         ref = msgpack.unpackb(entry[1:])
         seg = ref["seg"]
         if not isinstance(seg, str) or not seg.startswith(SEG_PREFIX) or "/" in seg:

@@ -153,7 +153,6 @@ class ShmCacheRegion(HoldFiles, CacheRegion):
     """A host KV cache in a shared-memory file (producer) / mappings of them (consumer)."""
 
     kind = "shm"
-    digests = True
 
     def __init__(self, namespace: str, producer: ProducerArena, stale_s: float) -> None:
         super().__init__(namespace)
@@ -263,6 +262,7 @@ class ShmCacheRegion(HoldFiles, CacheRegion):
 
     def close(self) -> None:
         self.close_holds()
+        self._views = {}
         with self._maps_lock:
             maps, self._maps = list(self._maps.values()), {}
         for _owner, mm, _view in maps:

@@ -84,7 +84,9 @@ class SharedMemoryConnector(OmniConnectorBase):
     as dead; default 10, at least 3), ``share_cache`` (allocate the producer's host KV
     cache in shared memory and send block ids instead of bytes, so a consumer copies its
     pages once, cache to cache; default false; see
-    :mod:`vllm_omni_kv.backends.shm.cache_region`).
+    :mod:`vllm_omni_kv.backends.shm.cache_region`), ``verify_pages`` (with ``share_cache``
+    on a host cache: a digest per page, verified by consumers after copying; default
+    false).
     Remote-transport metadata (``source_host``...) is ignored: lookups are by key.
     """
 
@@ -135,6 +137,8 @@ class SharedMemoryConnector(OmniConnectorBase):
         self._maps = reader.ConsumerMaps(stale_s=self.stale_s)
         if _flag(self.config.get("share_cache", False), "share_cache"):
             self.cache_region = self._make_region()
+            pages = _flag(self.config.get("verify_pages", False), "verify_pages")
+            self.cache_region.digests = pages and self.cache_region.kind == "shm"  # host only
         self._lock = threading.Lock()
         # index entries this process published and nobody claimed yet: name -> (key, time)
         self._owned: dict[str, tuple[str, float, int]] = {}  # name -> (key, put at, bytes)

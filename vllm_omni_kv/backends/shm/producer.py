@@ -27,6 +27,7 @@ from vllm_omni_kv.backends.shm.arena import (
     Segment,
     _create_file,
     _no_room,
+    inline_entry,
     namespace_tag,
     path,
     pin_map,
@@ -263,7 +264,7 @@ def publish(
     size = frame.nbytes
     if size < inline_below:
         blob = frame.to_bytearray()
-        _write_index(index_name, b"I" + bytes(blob))
+        _write_index(index_name, inline_entry(blob))
         return size, bytes(blob)
     seg, pooled = arena.acquire(size)
     if stream and pooled and not frame.blobs:

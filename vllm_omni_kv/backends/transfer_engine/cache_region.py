@@ -41,9 +41,10 @@ import xxhash
 from vllm_omni_kv.backends.cache_region import AllocateHostCache, CacheRegion
 from vllm_omni_kv.backends.keys import edge_key
 from vllm_omni_kv.backends.pool import ManagedBuffer
+from vllm_omni_kv.backends.transfer_engine.pull_stream import when_reads_end
 from vllm_omni_kv.errors import KVPayloadError, KVTransferError
-from vllm_omni_kv.kvcache.cache_layout import KVLayoutId, page_view
-from vllm_omni_kv.kvcache.shared_pages import attach_layers, layer_geometry
+from vllm_omni_kv.kvcache.cache_layout import KVLayoutId, dense_pages, page_view
+from vllm_omni_kv.kvcache.shared_pages import attach_layers, layer_geometry, page_runs
 from vllm_omni_kv.logger import init_logger
 
 if TYPE_CHECKING:
@@ -54,31 +55,28 @@ logger = init_logger(__name__)
 KIND = "mooncake_te"
 #: largest pool block a staged pull (consumer cache not registered) reads at a time
 STAGE_BYTES = 4 << 20
+#: ranges per batched engine read (Mooncake over TCP failed a batch of 4096 64 KiB ranges)
+BATCH_READS = 256
 #: how long a failed copy waits for reads still writing into the consumer's cache
 DRAIN_S = 10.0
 
 
-def _dense(pv: torch.Tensor) -> bool:
-    """True when each page of the page view ``pv`` is one run of memory (any device)."""
-    expect = 1
-    for size, stride in reversed(list(zip(pv.shape[1:], pv.stride()[1:], strict=True))):
-        if size > 1 and stride != expect:
-            return False
-        expect *= size
-    return True
-
-
-def _runs(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int, int]]:
-    """``(index of first pair, src page, dst page, n)`` for runs consecutive on both sides."""
-    runs: list[tuple[int, int, int, int]] = []
-    for i, (s, d) in enumerate(pairs):
-        if runs:
-            i0, s0, d0, n = runs[-1]
-            if s0 + n == s and d0 + n == d:
-                runs[-1] = (i0, s0, d0, n + 1)
-                continue
-        runs.append((i, s, d, 1))
-    return runs
+def _direct_reads(
+    s_base: int,
+    s_stride: int,
+    dp: torch.Tensor,
+    d_stride: int,
+    per: int,
+    s0: int,
+    d0: int,
+    n: int,
+) -> list[tuple[int, int, int]]:
+    """``(local, remote, bytes)`` reads of pages ``s0..s0+n`` into pages ``d0..`` of ``dp``."""
+    local = dp.data_ptr() + d0 * d_stride
+    remote = s_base + s0 * s_stride
+    if s_stride == per == d_stride:
+        return [(local, remote, n * per)]
+    return [(local + j * d_stride, remote + j * s_stride, per) for j in range(n)]
 
 
 def _check_digests(
@@ -97,28 +95,13 @@ def _check_digests(
 def _release_after(buf: ManagedBuffer, reads: list[cf.Future[None]]) -> None:
     """Free the staging block ``buf`` once no read into it is running (an abandoned read
     may still write into it)."""
-    pending = [f for f in reads if not f.done()]
-    if not pending:
-        buf.release()
-        return
-    left, lock = [len(pending)], threading.Lock()
-
-    def ended(_f: cf.Future[None]) -> None:
-        with lock:
-            left[0] -= 1
-            last = left[0] == 0
-        if last:
-            buf.release()
-
-    for f in pending:
-        f.add_done_callback(ended)
+    when_reads_end(reads, buf.release)
 
 
 class TECacheRegion(CacheRegion):
     """A host KV cache registered with the connector's transfer engine (both roles)."""
 
     kind = KIND
-    digests = True
 
     def __init__(self, conn: PullTransferConnector) -> None:
         self.conn = conn
@@ -310,27 +293,27 @@ class TECacheRegion(CacheRegion):
         reads: list[cf.Future[None]],
     ) -> int:
         moved = 0
-        runs = _runs(pairs)
+        runs = page_runs(pairs)
+        batch: list[tuple[int, int, int]] = []  # direct reads, issued together below
+        checks: list[tuple[int, int, int, list[int], int, int, int]] = []
         for layer, (sp, dp) in enumerate(zip(src_pages, dst_pages, strict=True)):
             esize = sp.element_size()
             per = math.prod(sp.shape[1:]) * esize
-            if not _dense(sp) or sp.stride(0) * esize < per:
+            if not dense_pages(sp, host=False) or sp.stride(0) * esize < per:
                 raise KVPayloadError(
                     f"registered-cache payload: layer {layer}'s pages are not contiguous in "
                     "the producer's cache; they cannot be pulled by address"
                 )
             s_stride = sp.stride(0) * esize
             s_base = base + int(sp.storage_offset()) * esize
-            here = direct and _dense(dp) and dp.stride(0) * esize >= per
+            here = direct and dense_pages(dp, host=False) and dp.stride(0) * esize >= per
             d_stride = dp.stride(0) * esize
             for i0, s0, d0, n in runs:
                 if here:
-                    self._direct(
-                        session, s_base, s_stride, dp, d_stride, per, s0, d0, n, deadline, reads
-                    )
+                    batch += _direct_reads(s_base, s_stride, dp, d_stride, per, s0, d0, n)
                     if sums is not None:
                         addr = dp.data_ptr() + d0 * d_stride
-                        _check_digests(addr, per, n, sums[layer], first + i0, layer, d_stride)
+                        checks.append((addr, per, n, sums[layer], first + i0, layer, d_stride))
                 else:
                     self._staged(
                         session,
@@ -348,32 +331,18 @@ class TECacheRegion(CacheRegion):
                         first + i0,
                     )
                 moved += n * per
-        return moved
-
-    def _direct(
-        self,
-        session: str,
-        s_base: int,
-        s_stride: int,
-        dp: torch.Tensor,
-        d_stride: int,
-        per: int,
-        s0: int,
-        d0: int,
-        n: int,
-        deadline: float,
-        reads: list[cf.Future[None]],
-    ) -> None:
-        """Pull pages ``s0..s0+n`` straight into pages ``d0..`` of the local cache."""
-        local = dp.data_ptr() + d0 * d_stride
-        remote = s_base + s0 * s_stride
-        if s_stride == per == d_stride:
-            self._read(session, local, remote, n * per, deadline, dp, reads)
-            return
-        for j in range(n):
-            self._read(
-                session, local + j * d_stride, remote + j * s_stride, per, deadline, dp, reads
+        for i in range(0, len(batch), BATCH_READS):  # bounded batches (one is refused whole)
+            self.conn._puller.read_many(
+                session,
+                batch[i : i + BATCH_READS],
+                deadline,
+                what="registered cache pages",
+                keep=dst_pages,
+                track=reads,
             )
+            for check in checks:
+                _check_digests(*check)
+        return moved
 
     def _staged(
         self,

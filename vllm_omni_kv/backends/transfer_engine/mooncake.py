@@ -25,7 +25,9 @@ this long, and the pull is retried on a fresh one; it sets
 ``register_cache`` (default False: register the engine's host KV cache with the
 transfer engine, so that consumers pull the pages they lack straight out of it and
 payloads are small frames of block ids; see
-:mod:`vllm_omni_kv.backends.transfer_engine.cache_region`. Set it on both stages).
+:mod:`vllm_omni_kv.backends.transfer_engine.cache_region`. Set it on both stages),
+``verify_pages`` (with ``register_cache``: a digest per page, verified by consumers;
+default false).
 
 Inside vLLM's CPU workers, pulls used to stall for seconds: the worker pins its
 busy-waiting main thread to one core and the transfer engine's I/O threads
@@ -118,6 +120,16 @@ class MooncakeEngine:
                 "the sender is gone or its buffer is no longer registered"
             )
 
+    def read_many(self, session: str, reads: list[tuple[int, int, int]]) -> None:
+        """Several ``(local, remote, bytes)`` reads from ``session`` as one batch."""
+        local, remote, lengths = (list(x) for x in zip(*reads, strict=True))
+        ret = self.engine.batch_transfer_sync_read(session, local, remote, lengths)
+        if ret < 0:
+            raise KVTransferError(
+                f"Mooncake batch_transfer_sync_read of {len(reads)} ranges from {session} "
+                f"failed ({ret}): the sender is gone or its buffer is no longer registered"
+            )
+
     def close(self) -> None:
         self.engine = None  # the binding has no explicit shutdown; dropping it stops its threads
 
@@ -137,6 +149,11 @@ class MooncakeTransferEngineConnector(PullTransferConnector):
             raise ConfigError(f"register_cache must be true or false, got {flag!r}")
         if flag:
             self.cache_region = TECacheRegion(self)
+            pages = self.config.get("verify_pages", False)
+            if not isinstance(pages, bool):
+                self.close()
+                raise ConfigError(f"verify_pages must be true or false, got {pages!r}")
+            self.cache_region.digests = pages
 
     def close(self) -> None:
         """Unregister the KV cache (``register_cache``), then close the connector."""

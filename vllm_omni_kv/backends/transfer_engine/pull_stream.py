@@ -57,6 +57,17 @@ def _engine_read(
     engine.read(session, local, remote, n)  # ``_keep`` pins the destination until it ends
 
 
+def _engine_read_many(
+    engine: EngineAdapter, session: str, reads: list[tuple[int, int, int]], _keep: Any
+) -> None:
+    many = getattr(engine, "read_many", None)  # one batched transfer where the engine has it
+    if many is not None:
+        many(session, reads)
+        return
+    for local, remote, n in reads:
+        engine.read(session, local, remote, n)
+
+
 class Puller:
     """Engine reads on a thread pool, each bounded by a timeout and a cancel event; a
     stalled read is abandoned (it keeps its destination alive until it ends)."""
@@ -79,8 +90,45 @@ class Puller:
         track: list[cf.Future[None]] | None = None,
     ) -> None:
         """``track``: the read's future is appended to it (to wait for abandoned reads)."""
+        self._bounded(
+            (_engine_read, self.engine, session, local, remote, n, keep),
+            session,
+            n,
+            deadline,
+            cancel,
+            what,
+            on_abandon,
+            track,
+        )
+
+    def read_many(
+        self,
+        session: str,
+        reads: list[tuple[int, int, int]],
+        deadline: float,
+        *,
+        what: str,
+        keep: Any = None,
+        track: list[cf.Future[None]] | None = None,
+    ) -> None:
+        """``(local, remote, bytes)`` reads from one session as one bounded transfer."""
+        n = sum(r[2] for r in reads)
+        call = (_engine_read_many, self.engine, session, reads, keep)
+        self._bounded(call, session, n, deadline, None, what, None, track)
+
+    def _bounded(
+        self,
+        call: tuple[Any, ...],
+        session: str,
+        n: int,
+        deadline: float,
+        cancel: threading.Event | None,
+        what: str,
+        on_abandon: Callable[[], None] | None,
+        track: list[cf.Future[None]] | None,
+    ) -> None:
         try:
-            fut = self.executor.submit(_engine_read, self.engine, session, local, remote, n, keep)
+            fut = self.executor.submit(*call)
         except RuntimeError:
             raise KVTransferError("the connector is closed; create a new one") from None
         if track is not None:
@@ -108,6 +156,25 @@ class Puller:
                     f"pull of {what} ({n} bytes) from {session} stalled past "
                     f"transfer_timeout_s={self.timeout_s:.1f}s or the load's deadline"
                 )
+
+
+def when_reads_end(reads: list[cf.Future[None]], then: Callable[[], None]) -> None:
+    """Call ``then`` once none of ``reads`` runs any more (at once when none does)."""
+    pending = [f for f in reads if not f.done()]
+    if not pending:
+        then()
+        return
+    left, lock = [len(pending)], threading.Lock()
+
+    def ended(_f: cf.Future[None]) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            then()
+
+    for f in pending:
+        f.add_done_callback(ended)
 
 
 class Lease:
@@ -207,22 +274,8 @@ class PullFrameStream(ChunkedStream):
         out) once the last engine read into it has ended. Waiting for the last view would
         hold it for as long as the failed read's traceback lives (a reference cycle:
         seen holding a killed producer's frame until the pool ran out)."""
-        local, pending = self._local, [f for f in self._reads if not f.done()]
-        self._reads = []
-        if not pending:
-            local.release()
-            return
-        left, lock = [len(pending)], threading.Lock()
-
-        def ended(_f: cf.Future[None]) -> None:
-            with lock:
-                left[0] -= 1
-                last = left[0] == 0
-            if last:
-                local.release()
-
-        for f in pending:
-            f.add_done_callback(ended)
+        reads, self._reads = self._reads, []
+        when_reads_end(reads, self._local.release)
 
     def _pull(self, start: int, end: int, deadline: float, cancel: threading.Event | None) -> None:
         if end <= start:

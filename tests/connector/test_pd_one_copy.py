@@ -1,16 +1,19 @@
-"""Prefill/decode with the producer's KV cache in shared memory (``share_cache``): one copy.
+"""Prefill/decode with real engines in each one-copy mode that runs on this machine.
 
-The producer's vLLM allocates its KV cache inside the connector's
-``get_mem_pool_context()``, which places it in a shared-memory file; a payload is then
-a small frame of block ids, and the consumer copies the pages it lacks straight from
-the producer's cache into its own. Tokens must equal a colocated engine's; the producer
-must keep the blocks until they are copied (or their lease runs out), and give them
-back afterwards. The producer runs with a 65-block cache, so a request needing every
-block shows whether any is still held.
+``shm`` with ``share_cache`` (the producer's KV cache in a shared-memory file) and
+``mooncake`` with ``register_cache`` (registered with the transfer engine, TCP on
+127.0.0.1): vLLM allocates the producer's cache inside the connector's
+``get_mem_pool_context()``, a payload is a small frame of block ids, and the consumer
+copies just the pages it lacks straight out of the producer's cache into its own.
+Tokens must equal the producer's own run of the same prompts (an ordinary engine for
+requests without transfer parameters); the producer keeps the blocks until they are
+copied (or their lease runs out) and gives them back afterwards. The producer runs with
+a 65-block cache, so a request needing every block shows whether any is still held.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +24,6 @@ from pd_helpers import (
     SMALL_CACHE_BLOCKS,
     EngineProc,
     assert_cache_free,
-    colocated_reference,
     engine_cfg,
     engines,
     kill_group,
@@ -32,19 +34,33 @@ from pd_helpers import (
     whole_cache_prompt,
 )
 
+from vllm_omni_kv.testing.net import free_port
+
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-RECV_TIMEOUT = 4.0
 SEND_TTL = 8.0
 PREFILL = {"do_remote_decode": True, "do_remote_prefill": False}
 # tiny model: 2 layers, 2 KV heads, head size 64, fp32: bytes of one 32-token block, all layers
 BLOCK_BYTES = 2 * 2 * 2 * 64 * 4 * 32
-SHARE = {"share_cache": True}
+_TE = {"protocol": "tcp", "host": "127.0.0.1", "memory_pool_size": 16 << 20}
+#: mode -> (backend, producer backend_extra, consumer backend_extra, recv_timeout)
+MODES: dict[str, tuple[str, Any, dict[str, Any], float]] = {
+    "shm": ("shm", lambda: {"share_cache": True}, {"share_cache": True}, 4.0),
+    "mooncake": (
+        "mooncake",
+        lambda: {**_TE, "role": "sender", "zmq_port": free_port(), "register_cache": True},
+        {**_TE, "role": "receiver", "side_channel_timeout_s": 1.0, "register_cache": True},
+        15.0,  # room for a Mooncake TCP stall turned into a ~3 s retry
+    ),
+}
+_MC = pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="no mooncake")
 
 
 class PD:
-    def __init__(self, prod: EngineProc, cons: EngineProc, ref: dict[tuple[int, ...], list[int]]):
-        self.prod, self.cons, self.ref = prod, cons, ref
+    def __init__(self, mode: str, prod: EngineProc, cons: EngineProc) -> None:
+        self.mode, self.prod, self.cons = mode, prod, cons
+        self.recv_timeout = MODES[mode][3]
+        self.ref: dict[tuple[int, ...], list[int]] = {}
 
     def prefill(self, prompts: list[list[int]]) -> list[dict[str, Any]]:
         r = self.prod.generate(prompts, max_tokens=1, kv_transfer_params=[PREFILL] * len(prompts))
@@ -52,7 +68,7 @@ class PD:
         return [o["kv_transfer_params"] for o in r["outputs"]]
 
     def decode(self, prompts: list[list[int]], params: list[dict[str, Any]]) -> list[dict]:
-        r = self.cons.generate(prompts, max_tokens=16, kv_transfer_params=params)
+        r = self.cons.generate(prompts, max_tokens=16, kv_transfer_params=[*params])
         assert "error" not in r, r
         for o, ids in zip(r["outputs"], prompts):
             assert o["token_ids"] == self.ref[tuple(ids)], "consumer tokens differ from colocated"
@@ -80,20 +96,30 @@ def groups(tiny_model_dir: Path) -> dict[str, list[list[int]]]:
     }
 
 
-@pytest.fixture(scope="module")
-def pd(tiny_model_dir: Path, groups: dict[str, list[list[int]]]) -> Iterator[PD]:
-    every = [p for g in groups.values() for p in g]
-    ref = colocated_reference(tiny_model_dir, every, name="share-colocated")
-    prod_ktc = omni_ktc("kv_producer", backend="shm", backend_extra=SHARE, send_ttl=SEND_TTL)
-    cons_ktc = omni_ktc(
-        "kv_consumer", "recompute", backend="shm", backend_extra=SHARE, recv_timeout=RECV_TIMEOUT
+@pytest.fixture(scope="module", params=["shm", pytest.param("mooncake", marks=[_MC])])
+def pd(
+    request: pytest.FixtureRequest, tiny_model_dir: Path, groups: dict[str, list[list[int]]]
+) -> Iterator[PD]:
+    mode = request.param
+    backend, prod_extra, cons_extra, recv_timeout = MODES[mode]
+    prod_ktc = omni_ktc(
+        "kv_producer", backend=backend, backend_extra=prod_extra(), send_ttl=SEND_TTL
     )
+    cons_ktc = omni_ktc(
+        "kv_consumer", "recompute", backend=backend, backend_extra=cons_extra,
+        recv_timeout=recv_timeout,
+    )  # fmt: skip
     small = {"num_gpu_blocks_override": SMALL_CACHE_BLOCKS}
     with engines(
-        ("share-producer", engine_cfg(tiny_model_dir, prod_ktc, **small)),
-        ("share-consumer", engine_cfg(tiny_model_dir, cons_ktc)),
+        (f"onecopy-{mode}-producer", engine_cfg(tiny_model_dir, prod_ktc, **small)),
+        (f"onecopy-{mode}-consumer", engine_cfg(tiny_model_dir, cons_ktc)),
     ) as (prod, cons):
-        yield PD(prod, cons, ref)
+        pd = PD(mode, prod, cons)
+        for prompts in groups.values():  # reference: the producer as an ordinary engine
+            out = prod.generate(prompts, max_tokens=16)
+            assert "error" not in out, out
+            pd.ref.update({tuple(p): o["token_ids"] for p, o in zip(prompts, out["outputs"])})
+        yield pd
 
 
 def test_pages_are_copied_once_from_the_producers_cache(
@@ -101,15 +127,14 @@ def test_pages_are_copied_once_from_the_producers_cache(
 ) -> None:
     prompts = groups["equal"]
     params = pd.prefill(prompts)
-    # the payloads are block ids: no payload segment, one hold per request, the caches
-    # of both engines in shared memory
-    assert len(_files("hold")) == len(prompts)
-    assert not _files("payload"), _files("payload")
-    assert len(_files("kv")) == 2
+    if pd.mode == "shm":  # block ids, not bytes: no payload segment, a hold per request,
+        assert len(_files("hold")) == len(prompts)  # both engines' caches in shared memory
+        assert not _files("payload"), _files("payload")
+        assert len(_files("kv")) == 2
     loads = pd.decode(prompts, params)
     for load, ids in zip(loads, prompts):
         assert load["ok"] is True and load["tokens"] == len(ids), load
-        # the request's pages, plus a descriptor frame of about a kilobyte
+        # the request's pages, plus a descriptor frame of about a kilobyte (no packed KV)
         pages = -(-len(ids) // 32) * BLOCK_BYTES
         assert pages < load["bytes"] < pages + 4096, load
     assert not _files("hold")  # released by the consumer after its copy
@@ -162,6 +187,10 @@ def test_killed_producer_recomputes_and_leaves_nothing(
     while sum(arena.pid_alive(p) for p in owners if p) > 1 and time.monotonic() < deadline:
         time.sleep(0.1)
     sweep_dead_segments()
+    t0 = time.monotonic()
     loads = pd.decode(prompts, params)
-    assert all(x["ok"] is False for x in loads), loads
-    assert not _files("hold") and len(_files("kv")) == 1  # the consumer's own cache
+    assert time.monotonic() - t0 < pd.recv_timeout + 15
+    assert all(x["ok"] is False and x["error"] for x in loads), loads
+    assert not _files("hold")
+    if pd.mode == "shm":
+        assert len(_files("kv")) == 1  # the consumer's own cache

@@ -1,20 +1,26 @@
-"""CUDA IPC one-copy move: a consumer process copies a request's KV pages GPU to GPU out of the
-producer's exported cache, beside a plain device-to-device copy of the same bytes in the
-same consumer process (the physical limit of this GPU), measured in the same run.
+"""One-copy page moves out of a producer's exported KV cache, each against the physical limit of
+its path measured in the same run: a consumer process copies a request's pages straight from
+the producer's cache into its own.
 
-    python benchmarks/cuda_ipc_bench.py                    # GPU: --backend cuda_ipc --device cuda
-    python benchmarks/cuda_ipc_bench.py --backend shm --device cpu --sizes 4   # harness check
+    python benchmarks/region_bench.py                               # GPU: cuda_ipc
+    python benchmarks/region_bench.py --backend mooncake_cache --device cpu --sizes 16 64 256
+    python benchmarks/region_bench.py --backend shm --device cpu --sizes 4   # harness check
 
-Run by ``make gpu-check`` (JSON into ``$(GPU_OUT)``). Shape: 8 layers x 8 KV heads x head
-size 128, bf16, FlashAttention-style K|V per token, 16-token blocks; the request's pages
-are the first half of a shuffled block table (runs of consecutive blocks are short, as
-in a long-running server). A move is timed in the consumer from opening the payload to
-the copied pages being on its device (synchronized), hold taken and released.
+Limits: ``cuda_ipc``: a device-to-device copy of the same bytes in the consumer process;
+``shm``: one single-threaded memcpy of the same bytes; ``mooncake_cache``
+(``register_cache``, TCP here): one raw transfer-engine read of the same number of bytes
+from the producer's registered cache into the consumer's. ``make gpu-check`` runs the
+``cuda_ipc`` default (JSON into ``$(GPU_OUT)``). Shape: 8 layers x 8 KV heads x head size
+128, bf16, K|V per token, 16-token blocks; the request's pages are half of a shuffled block
+table (short runs of consecutive blocks, as in a long-running server). A move is timed in
+the consumer from opening the payload to the pages being in its cache (synchronized), hold
+taken and released.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import multiprocessing as mp
 import os
@@ -36,9 +42,25 @@ from vllm_omni_kv.wire import codec
 LAYERS, HEADS, BS, DIM = 8, 8, 16, 128
 PAGE = HEADS * BS * 2 * DIM * 2  # bytes of one page of one layer (bf16)
 RESULTS = Path(__file__).resolve().parent / "results"
+LIMITS = {
+    "cuda_ipc": "device-to-device copy",
+    "shm": "memcpy",
+    "mooncake_cache": "raw transfer-engine read",
+}
 
 
-def _backend(name: str, ns: str) -> Any:
+def _backend(name: str, ns: str, role: str = "dual") -> Any:
+    if name == "mooncake_cache":
+        extra: dict[str, Any] = {
+            "role": role,
+            "host": "127.0.0.1",
+            "protocol": "tcp",
+            "metadata_server": "P2PHANDSHAKE",
+            "zmq_port": 0,
+            "memory_pool_size": 8 << 20,
+            "register_cache": True,
+        }
+        return OmniConnectorFactory.create_connector(ConnectorSpec("mooncake", extra))
     extra = {"namespace": ns, **({"share_cache": True} if name == "shm" else {})}
     return OmniConnectorFactory.create_connector(ConnectorSpec(name, extra))
 
@@ -59,8 +81,10 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _consumer(name: str, ns: str, nblocks: int, device: str, conn: Any) -> None:
-    backend = _backend(name, ns)
+def _consumer(name: str, ns: str, nblocks: int, device: str, peer: Any, conn: Any) -> None:
+    backend = _backend(name, ns, role="receiver")
+    if peer is not None:  # a transfer-engine producer: its side channel
+        backend.update_sender_info(peer["host"], peer["zmq_port"])
     mine = _cache(backend, nblocks, device)
     ident = infer_identity(mine[0], packing="k_v")
     region = backend.cache_region
@@ -68,17 +92,30 @@ def _consumer(name: str, ns: str, nblocks: int, device: str, conn: Any) -> None:
         cmd = conn.recv()
         if cmd[0] == "exit":
             break
+        if cmd[0] == "baseline" and peer is not None:  # one raw engine read, same bytes
+            engine = backend.cache_region.conn.engine
+            dst_addr, n = mine[0].data_ptr(), cmd[1]
+            times = []
+            for _ in range(cmd[2] + 1):
+                t0 = time.perf_counter()
+                engine.read(peer["session"], dst_addr, peer["base"], n)
+                times.append(time.perf_counter() - t0)
+            conn.send(statistics.median(times[1:]))
+            continue
         if cmd[0] == "baseline":  # one contiguous copy of the same bytes on this device
             n = cmd[1]
             src = torch.empty(n, dtype=torch.uint8, device=device).random_(0, 256)
             dst = torch.empty_like(src)
-            dst.copy_(src)
+            dst.copy_(src)  # faults the pages in
             _sync(device)
             times = []
             for _ in range(cmd[2]):
                 t0 = time.perf_counter()
-                dst.copy_(src)
-                _sync(device)
+                if device == "cuda":
+                    dst.copy_(src)
+                    _sync(device)
+                else:  # one single-threaded memcpy, like the move's (torch copy_ uses threads)
+                    ctypes.memmove(dst.data_ptr(), src.data_ptr(), n)
                 times.append(time.perf_counter() - t0)
             conn.send(statistics.median(times))
             continue
@@ -103,6 +140,13 @@ def _consumer(name: str, ns: str, nblocks: int, device: str, conn: Any) -> None:
     backend.close()
 
 
+def _answer(conn: Any, proc: Any, timeout: float = 300.0) -> Any:
+    """The consumer's reply; an error (not a hang) when it died or went silent."""
+    if not conn.poll(timeout):
+        raise RuntimeError(f"the consumer process did not answer (exit code {proc.exitcode})")
+    return conn.recv()
+
+
 def measure(name: str, device: str, mib: int, repeats: int) -> dict[str, Any]:
     used = max(1, (mib << 20) // (PAGE * LAYERS))
     nblocks = 2 * used
@@ -122,7 +166,10 @@ def measure(name: str, device: str, mib: int, repeats: int) -> dict[str, Any]:
     dst_ids = torch.randperm(nblocks, generator=g)[:used].tolist()
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_consumer, args=(name, ns, nblocks, device, child))
+    peer = None
+    if name == "mooncake_cache":
+        peer = {**backend.get_connection_info(), "base": base}
+    proc = ctx.Process(target=_consumer, args=(name, ns, nblocks, device, peer, child))
     proc.start()
     try:
         moves: list[float] = []
@@ -137,12 +184,12 @@ def measure(name: str, device: str, mib: int, repeats: int) -> dict[str, Any]:
             )
             backend.put("bench", "consumer", key, codec.encode(data))
             parent.send(("move", key, dst_ids))
-            seconds, moved = parent.recv()
+            seconds, moved = _answer(parent, proc)
             assert region.released(hold)
             if i:
                 moves.append(seconds)
         parent.send(("baseline", moved, repeats))
-        base_s = parent.recv()
+        base_s = _answer(parent, proc)
         parent.send(("exit",))
         proc.join(60)
     finally:
@@ -157,22 +204,33 @@ def measure(name: str, device: str, mib: int, repeats: int) -> dict[str, Any]:
         "bytes": moved,
         "move_ms": round(move_s * 1e3, 3),
         "move_gbps": round(moved / move_s / 1e9, 2),
-        "baseline": "device-to-device copy" if device == "cuda" else "memcpy (torch copy_)",
+        "baseline": LIMITS[name],
         "baseline_ms": round(base_s * 1e3, 3),
         "baseline_gbps": round(moved / base_s / 1e9, 2),
         "vs_baseline": round(base_s / move_s, 3),
+        "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None,
+        "loadavg_1m": round(os.getloadavg()[0], 2),
+        "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--backend", default="cuda_ipc", choices=["cuda_ipc", "shm"])
+    ap.add_argument("--backend", default="cuda_ipc", choices=sorted(LIMITS))
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--sizes", type=int, nargs="+", default=[16, 64, 256])
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--out", type=Path, default=RESULTS / "cuda_ipc_bench.json")
+    ap.add_argument("--out", type=Path, default=RESULTS / "region_bench.json")
     a = ap.parse_args(argv)
     rows = [measure(a.backend, a.device, mib, a.repeats) for mib in a.sizes]
+    if a.out.exists():  # one file, a row set per backend and device
+        try:
+            old = json.loads(a.out.read_text()).get("rows", [])
+        except (ValueError, AttributeError):
+            old = []
+        rows = [
+            r for r in old if (r.get("backend"), r.get("device")) != (a.backend, a.device)
+        ] + rows
     for r in rows:
         print(
             f"{r['mib']:>4} MiB  move {r['move_ms']:8.3f} ms ({r['move_gbps']:6.2f} GB/s)  "
@@ -182,8 +240,7 @@ def main(argv: list[str] | None = None) -> None:
     machine = {
         "platform": platform.platform(),
         "torch": torch.__version__,
-        "gpu": torch.cuda.get_device_name(0) if a.device == "cuda" else None,
-        "loadavg_1m": os.getloadavg()[0],
+        "cpus": os.cpu_count(),
     }
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps({"machine": machine, "rows": rows}, indent=2) + "\n")
