@@ -10,8 +10,12 @@ CPU paged layout allocated inside ``get_mem_pool_context`` as vLLM does, block s
 shuffled block ids). The producer process creates a hold and puts the ``describe_request``
 payload per move, as ``connector/worker.py`` does; the consumer process (its own cache in its
 own region) times ``open_stream`` -> ``SharedCopy.apply`` -> close, each move against a
-memcpy (``memmove`` between pre-faulted buffers) run just before it. A ``profile`` row times
-each step alone; a prototype row shows a leaner copy (see ``_Consumer.fast_copy``).
+memcpy (``memmove`` between pre-faulted buffers) run just before it. The producer adds page
+digests only for the ``verify`` row (``verify_pages``); the default rows carry none, as by
+default. A ``fallback`` row runs the same move without the native page copy (the Python
+``memmove`` loop of an install that could not compile it). A ``profile`` row times each step
+alone, including a streaming-store copy of the same contiguous bytes (what the native copy
+does per page run), reported beside memcpy as a second reference.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from transfer_bench import _row, shm_move  # noqa: E402
 
 from vllm_omni_kv.backends.shm.connector import SharedMemoryConnector  # noqa: E402
 from vllm_omni_kv.connector.shared_sends import SharedCopy  # noqa: E402
+from vllm_omni_kv.kvcache import page_copy  # noqa: E402
 from vllm_omni_kv.kvcache.cache_layout import KVLayoutId, page_view  # noqa: E402
 from vllm_omni_kv.kvcache.shared_pages import (  # noqa: E402
     attach_layers,
@@ -57,7 +62,8 @@ IDENT = KVLayoutId("kt_v", "LBHNC", "bfloat16", BS, BS, HEADS, DIM, 2, "CPU_ATTN
 ONE_COPY = "one-copy move (share_cache), verify"
 ONE_COPY_NV = "one-copy move (share_cache), no verify"
 TWO_COPY = "two-copy shm move (blocks, streamed)"
-FAST = "one-copy move, prototype (cached views, tight memmove loop), no verify"
+FALLBACK = "one-copy move, no native copy (memmove loop), no verify"
+STREAM = "streaming-store copy of the same bytes (contiguous)"
 BARE = "bare page copies (memmove loop, same pairs)"
 PIECES = "memcpy in page-sized pieces (contiguous)"
 
@@ -110,11 +116,26 @@ class _Buffers:
     def memcpy(self) -> None:
         ctypes.memmove(self.dst.data_ptr(), self.src.data_ptr(), self.nbytes)
 
+    def streamed(self) -> None:
+        """The same bytes with streaming stores (the native copy's one run)."""
+        n, one = self.nbytes, page_copy.pack_runs([(0, 0, 1)])
+        page_copy.copy_runs((self.dst.data_ptr(), n, 1), (self.src.data_ptr(), n, 1), n, one, True)
+
     def pieces(self) -> None:
         """The same bytes, one ``memmove`` per page."""
         d, s, n = self.dst.data_ptr(), self.src.data_ptr(), self.nbytes
         for off in range(0, n, PAGE_BYTES):
             ctypes.memmove(d + off, s + off, min(PAGE_BYTES, n - off))
+
+
+@contextlib.contextmanager
+def _native_copy(on: bool) -> Any:
+    """Inside it, page copies use the native extension only if ``on``."""
+    saved, page_copy._native = page_copy._native, page_copy._native if on else None
+    try:
+        yield
+    finally:
+        page_copy._native = saved
 
 
 def _evict() -> None:
@@ -159,7 +180,7 @@ def _producer(ns: str, nblocks: int, used: int, cmds: Any, out: Any) -> None:
             cmd = cmds.recv()
             if cmd is None:
                 break
-            key = cmd
+            key, digests = cmd
             t0 = time.perf_counter()
             hold = region.hold(*EDGE, key)
             data = describe_request(
@@ -169,7 +190,7 @@ def _producer(ns: str, nblocks: int, used: int, cmds: Any, out: Any) -> None:
                 caches,
                 IDENT,
                 {"region": got[0], "geometry": geometry, "hold": hold},
-                digests=region.digests,
+                digests=digests,
             )
             t1 = time.perf_counter()
             backend.put(*EDGE, key, data)
@@ -223,21 +244,18 @@ class _Consumer:
         t_open = time.perf_counter()
         if stream is None:
             return None
-        with stream:
+        with stream, _native_copy(mode != FALLBACK):
             obj = stream.obj
-            if mode == FAST:
-                moved = self.fast_copy(region, obj)
-                tokens = len(src_ids) * BS
-            else:
-                plan = SharedCopy(obj, region, caches, IDENT, self.dst_ids, 0, verify)
-                tokens, moved = plan.apply(stream, time.monotonic() + 60), plan.moved
+            plan = SharedCopy(obj, region, caches, IDENT, self.dst_ids, 0, verify)
+            tokens, moved = plan.apply(stream, time.monotonic() + 60), plan.moved
             t_copied = time.perf_counter()
         t1 = time.perf_counter()
         if tokens != len(src_ids) * BS or moved != self.bufs.nbytes:
             raise RuntimeError(f"{key}: {tokens} tokens / {moved} bytes moved")
         if os.path.exists(os.path.join("/dev/shm", obj["metadata"]["shared"]["hold"])):
             raise RuntimeError(f"{key}: the hold was not released after the copy")
-        self.obj = obj
+        if verify:  # the profile times digest checks against this payload's sums
+            self.obj = obj
         if check:
             for sp, dp in zip(_producer_layers(region, obj), caches, strict=True):
                 if not torch.equal(sp[src_ids], dp[self.dst_ids]):
@@ -245,22 +263,6 @@ class _Consumer:
         phases = {"open_stream": t_open - t0, "SharedCopy + apply": t_copied - t_open}
         phases["close"] = t1 - t_copied
         return t1 - t0, phases
-
-    def fast_copy(self, region: Any, obj: dict[str, Any]) -> int:
-        """Prototype of a leaner copy: the producer's page views cached per region and
-        geometry (built and checked once), then one ``memmove`` per page in a tight loop,
-        under the same hold. No digests, no liveness check on a cache hit."""
-        shared = obj["metadata"]["shared"]
-        ck = (shared["region"]["name"], shared["region"]["owner"], repr(shared["geometry"]))
-        if ck not in self.views:
-            self.views[ck] = [page_view(v, IDENT) for v in _producer_layers(region, obj)]
-        memmove, pairs = ctypes.memmove, list(zip(obj["block_ids"], self.dst_ids, strict=True))
-        with region.reading(shared["hold"]):
-            for sp, dp in zip(self.views[ck], self.dst_pages, strict=True):
-                s0, ss, d0, ds = sp.data_ptr(), sp.stride(0) * 2, dp.data_ptr(), dp.stride(0) * 2
-                for s, d in pairs:
-                    memmove(d0 + d * ds, s0 + s * ss, PAGE_BYTES)
-        return len(pairs) * PAGE_BYTES * LAYERS
 
     def profile(self, src_ids: list[int], repeats: int) -> dict[str, float]:
         """Median seconds of each step of a move alone, interleaved round by round."""
@@ -283,26 +285,21 @@ class _Consumer:
                 for s, d in pairs:
                     ctypes.memmove(d0 + d * PAGE_BYTES, s0 + s * PAGE_BYTES, PAGE_BYTES)
 
-        def nv() -> None:
-            copy_pages(src, dst, pairs, None)
-
+        nv = lambda: copy_pages(src, dst, pairs, None)  # noqa: E731
         fns = {
             "memcpy": self.bufs.memcpy,
             "memcpy, caches evicted first": self.bufs.memcpy,
-            "memcpy, 5 ms asleep first": self.bufs.memcpy,
             PIECES: self.bufs.pieces,
+            STREAM: self.bufs.streamed,
             BARE: bare,
             "copy_pages, no verify": nv,
             "copy_pages, no verify, caches evicted first": nv,
-            "copy_pages, no verify, 5 ms asleep first": nv,
             "copy_pages, verify": lambda: copy_pages(src, dst, pairs, sums),
             "page_sums of the copied pages (digests alone)": lambda: page_sums(dst, self.dst_ids),
             "hold create + reading()": hold_and_read,
             "attach + attach_layers (mapped)": lambda: _producer_layers(region, obj),
         }
-        nap = lambda: time.sleep(0.005)  # noqa: E731
-        before = {k: _evict if "evicted" in k else nap for k in fns if " first" in k}
-        return _interleaved(fns, repeats, before)
+        return _interleaved(fns, repeats, {k: _evict for k in fns if "evicted" in k})
 
 
 def _consumer(ns: str, nblocks: int, used: int, repeats: int, cmds: Any, out: Any) -> None:
@@ -359,7 +356,7 @@ class _Pair:
         entry that is gone when the consumer opens it is counted in ``lost`` and retried."""
         for _ in range(3):
             self.n += 1
-            self.p_cmd.send(key := f"req{self.n}")
+            self.p_cmd.send((key := f"req{self.n}", mode is True))
             produced = self._recv(self.p_out)
             got = self.consumer("move", key, mode, self.src_ids, check)
             if got is not None:
@@ -387,7 +384,7 @@ def measure_size(mib: int, repeats: int, trials: int) -> list[dict[str, Any]]:
     used = max(1, (mib << 20) // BYTES_PER_TOKEN // BS)
     nbytes = used * PAGE_BYTES * LAYERS
     pair = _Pair(used + 4, used, repeats)
-    modes: list[tuple[str, Any]] = [(ONE_COPY, True), (ONE_COPY_NV, False), (FAST, FAST)]
+    modes: list[tuple[str, Any]] = [(ONE_COPY, True), (ONE_COPY_NV, False), (FALLBACK, FALLBACK)]
     samples: dict[str, list[tuple[float, float]]] = {p: [] for p, _ in modes}
     phases: dict[str, list[dict[str, float]]] = {p: [] for p in samples}
     two: list[tuple[float, float]] = []
@@ -424,7 +421,7 @@ def measure_size(mib: int, repeats: int, trials: int) -> list[dict[str, Any]]:
     for row in rows[1:4]:  # one-copy bytes/s over two-copy bytes/s, same memcpy scale
         row["vs_two_copy"] = row["fraction_of_memcpy"] / two_copy
     base = profile["memcpy"]
-    for path in (PIECES, BARE):
+    for path in (PIECES, BARE, STREAM):
         rows.append(_row(path, nbytes, profile[path], base, diagnostic=True))
     rows.append({"path": "profile", "size_mib": rows[0]["size_mib"], "steps_s": profile})
     line = f"{mib:4d} MiB  memcpy {nbytes / memcpy_s / 1e9:6.2f} GB/s"
@@ -443,19 +440,25 @@ def plot(rows: list[dict[str, Any]], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 5))
-    paths = ["memcpy", ONE_COPY, ONE_COPY_NV, TWO_COPY, PIECES, BARE, FAST]
+    paths = ["memcpy", ONE_COPY, ONE_COPY_NV, TWO_COPY, PIECES, BARE, FALLBACK, STREAM]
     for i, p in enumerate(paths):
         pts = sorted(((r["size_mib"], r) for r in rows if r.get("path") == p), key=lambda t: t[0])
         xs = [x for x, _ in pts]
-        style = {"ls": ":" if p in (PIECES, BARE) else "-", "marker": "o", "label": p, "c": f"C{i}"}
-        ax.plot(xs, [r["gbps"] for _, r in pts], lw=2.5 if p in paths[:2] else 1.5, **style)
+        style: dict[str, Any] = {
+            "ls": ":" if p in (PIECES, BARE, STREAM) else "-",
+            "marker": "o",
+            "label": p,
+            "c": f"C{i}",
+        }
+        style["lw"] = 2.5 if p in ("memcpy", ONE_COPY_NV) else 1.5
+        ax.plot(xs, [r["gbps"] for _, r in pts], **style)
         if p != "memcpy":
             bx.plot(xs, [r["fraction_of_memcpy"] for _, r in pts], **style)
     bx.axhline(0.85, color="grey", ls="--", lw=1, label="target: 85% of memcpy")
     for a, ylabel in ((ax, "GB/s"), (bx, "fraction of memcpy (same trial; dashed: 85%)")):
         a.set(xscale="log", xlabel="payload (MiB)", ylabel=ylabel)
         a.grid(True, alpha=0.3)
-    bx.set_ylim(0, 1.3)
+    bx.set_ylim(0, 1.7)
     ax.set_title("cache->cache move on one host")
     ax.legend(fontsize=8)
     fig.tight_layout()

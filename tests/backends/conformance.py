@@ -233,31 +233,6 @@ def te_config(role: str, pool_mib: int = 320, **over: Any) -> dict[str, Any]:
     return cfg
 
 
-class MooncakeTEHarness(Harness):
-    name = "mooncake_te"
-
-    def __init__(self) -> None:
-        from vllm_omni_kv.backends.transfer_engine.mooncake import MooncakeTransferEngineConnector
-
-        self._cls = MooncakeTransferEngineConnector
-        self.proc = SenderProcess(te_config("sender"))
-        self.producer = _RemoteProducer(self.proc)
-        try:
-            self.consumer = self._cls(te_config("receiver"))
-            self.consumer.update_sender_info(self.proc.info["host"], self.proc.info["zmq_port"])
-        except BaseException:
-            self.proc.stop()
-            raise
-
-    def put_random(self, key: str, nbytes: int, seed: int) -> tuple[dict[str, Any] | None, int]:
-        r = self.proc.call(op="put_random", key=key, nbytes=nbytes, seed=seed)
-        assert r["ok"]
-        return r["meta"], r["checksum"]
-
-    def fresh(self) -> OmniConnectorBase:
-        return self._cls(te_config("dual", pool_mib=4))
-
-
 def nixl_config(role: str, pool_mib: int = 320, **over: Any) -> dict[str, Any]:
     cfg: dict[str, Any] = {
         "role": role,
@@ -271,26 +246,55 @@ def nixl_config(role: str, pool_mib: int = 320, **over: Any) -> dict[str, Any]:
     return cfg
 
 
-class NixlHarness(MooncakeTEHarness):
-    """NIXL: the sender connector in its own process, the receiver here."""
-
-    name = "nixl"
-
-    def __init__(self) -> None:
+def pull_backend(backend: str) -> tuple[Any, Callable[..., dict[str, Any]]]:
+    """The connector class and config helper of pull backend ``backend``."""
+    if backend == "nixl":
         from vllm_omni_kv.backends.nixl.connector import NixlConnector
 
-        self._cls = NixlConnector  # type: ignore[assignment]
-        self.proc = SenderProcess(nixl_config("sender"), backend="nixl")
+        return NixlConnector, nixl_config
+    from vllm_omni_kv.backends.transfer_engine.mooncake import MooncakeTransferEngineConnector
+
+    return MooncakeTransferEngineConnector, te_config
+
+
+class PullHarness(Harness):
+    """A pull backend (``mooncake_te``, ``nixl``): the sender connector in its own process,
+    the receiver here. With ``register_cache`` on both sides (``<backend>_cache``) the
+    consumer's (vLLM-like) KV cache is registered beside its pool: payloads still travel
+    through the pools, and the cache's registration must not disturb them."""
+
+    def __init__(self, backend: str, register_cache: bool = False) -> None:
+        self.name = f"{backend}_cache" if register_cache else backend
+        self._cls, self._config = pull_backend(backend)
+        self._extra = {"register_cache": True} if register_cache else {}
+        self.proc = SenderProcess(self._config("sender", **self._extra), backend=backend)
         self.producer = _RemoteProducer(self.proc)
         try:
-            self.consumer = self._cls(nixl_config("receiver"))
+            self.consumer = self._cls(self._config("receiver", **self._extra))
             self.consumer.update_sender_info(self.proc.info["host"], self.proc.info["zmq_port"])
+            if register_cache:
+                self.cache = self._registered_cache()
         except BaseException:
             self.proc.stop()
             raise
 
+    def _registered_cache(self) -> torch.Tensor:
+        region = self.consumer.cache_region
+        assert region is not None
+        ctx = region.allocation_context()
+        assert ctx is not None
+        with ctx:
+            cache = torch.zeros(4 << 20, dtype=torch.int8)
+        assert region.export([cache.view(torch.float32).view(128, 2, 32, 128)])
+        return cache
+
+    def put_random(self, key: str, nbytes: int, seed: int) -> tuple[dict[str, Any] | None, int]:
+        r = self.proc.call(op="put_random", key=key, nbytes=nbytes, seed=seed)
+        assert r["ok"]
+        return r["meta"], r["checksum"]
+
     def fresh(self) -> OmniConnectorBase:
-        return self._cls(nixl_config("dual", pool_mib=4))
+        return self._cls(self._config("dual", pool_mib=4, **self._extra))  # type: ignore[no-any-return]
 
 
 class MooncakeStoreHarness(LocalHarness):
@@ -325,14 +329,8 @@ def make_harness(name: str) -> Iterator[Harness]:
             yield h
         finally:
             h.close()
-    elif name == "mooncake_te":
-        h = MooncakeTEHarness()
-        try:
-            yield h
-        finally:
-            h.close()
-    elif name == "nixl":
-        h = NixlHarness()
+    elif name in ("mooncake_te", "nixl", "mooncake_te_cache", "nixl_cache"):
+        h = PullHarness(name.removesuffix("_cache"), register_cache=name.endswith("_cache"))
         try:
             yield h
         finally:

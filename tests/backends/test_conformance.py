@@ -17,50 +17,10 @@ from contextlib import ExitStack
 import pytest
 import torch
 
-from vllm_omni_kv.backends.base import OmniConnectorBase
 from vllm_omni_kv.errors import KVTransferError
 from vllm_omni_kv.wire.payload import KVCacheTransferData
 
-from .conformance import (
-    Harness,
-    MooncakeTEHarness,
-    SenderProcess,
-    _RemoteProducer,
-    checksum,
-    make_harness,
-    te_config,
-    wait_until,
-)
-
-
-class MooncakeTECacheHarness(MooncakeTEHarness):
-    """Mooncake TE with ``register_cache`` on both sides; the consumer's (vLLM-like) KV
-    cache is registered beside its pool: payloads still travel through the pools."""
-
-    name = "mooncake_te_cache"
-
-    def __init__(self) -> None:
-        from vllm_omni_kv.backends.transfer_engine.mooncake import MooncakeTransferEngineConnector
-
-        self._cls = MooncakeTransferEngineConnector
-        self.proc = SenderProcess(te_config("sender", register_cache=True))
-        self.producer = _RemoteProducer(self.proc)
-        try:
-            self.consumer = self._cls(te_config("receiver", register_cache=True))
-            self.consumer.update_sender_info(self.proc.info["host"], self.proc.info["zmq_port"])
-            region = self.consumer.cache_region
-            assert region is not None
-            ctx = region.allocation_context()
-            assert ctx is not None
-            with ctx:
-                self.cache = torch.zeros(4 << 20, dtype=torch.int8)
-            assert region.export([self.cache.view(torch.float32).view(128, 2, 32, 128)])
-        except BaseException:
-            self.proc.stop()
-            raise
-
-    def fresh(self) -> OmniConnectorBase:
-        return self._cls(te_config("dual", pool_mib=4, register_cache=True))
+from .conformance import Harness, checksum, make_harness, pull_backend, wait_until
 
 
 def _shm_param() -> object:
@@ -94,6 +54,7 @@ BACKENDS = [
     pytest.param("mooncake_te", marks=[*_MC, pytest.mark.slow]),
     pytest.param("mooncake_te_cache", marks=[*_MC, pytest.mark.slow]),
     pytest.param("nixl", marks=[*_NIXL, pytest.mark.slow]),
+    pytest.param("nixl_cache", marks=[*_NIXL, pytest.mark.slow]),
     pytest.param("mooncake_store", marks=[*_MC, pytest.mark.slow]),
 ]
 
@@ -115,10 +76,6 @@ def backend(
             yield h
         return
     stack, cache = harness_cache
-    if name == "mooncake_te_cache" and name not in cache:
-        h = MooncakeTECacheHarness()
-        stack.callback(h.close)
-        cache[name] = h
     if name not in cache:
         cache[name] = stack.enter_context(make_harness(name))
     yield cache[name]
@@ -290,3 +247,32 @@ def test_threads_do_not_deadlock(backend: Harness) -> None:
         t.start()
     assert wait_until(lambda: not any(t.is_alive() for t in threads), timeout=60)
     assert not errors, errors
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("engine", ["mooncake_te", "nixl"])
+def test_register_cache_cuda_pages_move_device_to_device(engine: str) -> None:
+    """``register_cache`` with CUDA KV caches on both sides: each is registered with its
+    connector's engine as device memory (NIXL: VRAM; Mooncake: its CUDA build) and the
+    pages are read device to device. Written for ``make gpu-check``: it has **not run on
+    a GPU yet**, and skips where the engine is not installed."""
+    package = "mooncake" if engine == "mooncake_te" else "nixl"
+    if importlib.util.find_spec(package) is None:
+        pytest.skip(f"{package} is not installed")
+    if engine == "mooncake_te":
+        from vllm_omni_kv.backends.transfer_engine.mooncake import cuda_build
+
+        if not cuda_build():
+            pytest.skip("the Mooncake CUDA build (mooncake-transfer-engine) is not installed")
+    from vllm_omni_kv.backends.transfer_engine.selftest import CACHE_SELFTEST, pull_pages
+
+    cls = pull_backend(engine)[0]
+    extra = {"protocol": "tcp"} if engine == "mooncake_te" else {}
+    with (
+        cls({**CACHE_SELFTEST, "role": "sender", **extra}) as producer,
+        cls({**CACHE_SELFTEST, "role": "receiver", **extra}) as consumer,
+    ):
+        assert pull_pages(producer, consumer, "cuda") == ("ok", True)
+        region = producer.cache_region
+        assert region.tensor.device.type == "cuda"  # registered as device memory
+        assert region.digests is False  # verify_pages is for host caches

@@ -1,5 +1,5 @@
 """Two ``vllm serve`` processes and the example proxy, in each one-copy mode that runs on
-this machine: shared memory with ``share_cache`` and Mooncake TE (TCP) with
+this machine: shared memory with ``share_cache``, Mooncake TE (TCP) and NIXL (UCX) with
 ``register_cache``. Completions through the proxy (prefill on one server, its KV pages
 copied once out of its cache by the other) equal the producer's own completions of the
 same prompts, exactly the pages move, and the producer gives its blocks back."""
@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pd_helpers import NAMESPACE, make_prompts, omnikv_files, sweep_dead_segments
+from pd_helpers import LOG_DIR, NAMESPACE, make_prompts, omnikv_files, sweep_dead_segments
 from serve_helpers import GREEDY, complete, ktc, serve_pd
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -31,32 +31,50 @@ MODES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
         },
         {"side_channel_timeout_s": 5},
     ),  # fmt: skip
+    "nixl_cache": (
+        "nixl",
+        {"host": "127.0.0.1", "memory_pool_size": 16 << 20, "register_cache": True},
+        {"side_channel_timeout_s": 5},
+    ),
 }
 _MC = pytest.mark.skipif(
     importlib.util.find_spec("mooncake") is None, reason="mooncake is not installed"
 )
+_NIXL = [
+    pytest.mark.nixl,
+    pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="nixl is not installed"),
+]
 #: bytes of one 32-token block of the tiny fp32 model (2 layers, 2 KV heads, head size 64)
 BLOCK_BYTES = 2 * 2 * 2 * 64 * 4 * 32
 
 
-@pytest.fixture(scope="module", params=["shm_share", pytest.param("mooncake_cache", marks=[_MC])])
-def urls(request: pytest.FixtureRequest, tiny_model_dir: Path) -> Iterator[tuple[str, str]]:
+@pytest.fixture(
+    scope="module",
+    params=[
+        "shm_share",
+        pytest.param("mooncake_cache", marks=[_MC]),
+        pytest.param("nixl_cache", marks=_NIXL),
+    ],
+)
+def urls(request: pytest.FixtureRequest, tiny_model_dir: Path) -> Iterator[tuple[str, str, str]]:
+    """``(producer URL, proxy URL, the servers' log name)``."""
     backend, extra, consumer_extra = MODES[request.param]
     producer = ktc("kv_producer", backend, extra, send_ttl=60)
     consumer = ktc("kv_consumer", backend, {**extra, **consumer_extra}, recv_timeout=30)
+    name = f"{request.param}-serve"
     try:
-        with serve_pd(tiny_model_dir, producer, consumer, f"{request.param}-serve") as urls:
-            yield urls
+        with serve_pd(tiny_model_dir, producer, consumer, name) as urls:
+            yield (*urls, name)
     finally:
         sweep_dead_segments()
 
 
 def test_serve_one_copy_completions_match_colocated(
-    urls: tuple[str, str], tiny_model_dir: Path
+    urls: tuple[str, str, str], tiny_model_dir: Path
 ) -> None:
     from vllm_omni_kv.backends.shm import arena
 
-    prefill, proxy = urls
+    prefill, proxy, name = urls
     model = str(tiny_model_dir)
     for ids in make_prompts(tiny_model_dir, 3, seed=51):
         # the producer is an ordinary engine for requests without transfer params
@@ -72,3 +90,5 @@ def test_serve_one_copy_completions_match_colocated(
         time.sleep(0.2)
         holds = {n for n in omnikv_files() if n.startswith(arena.HOLD_PREFIX)}
     assert not holds, holds
+    # the producer's cache was in its backend's region: no fallback to packed payloads
+    assert "packed payloads instead" not in (LOG_DIR / f"{name}-p.log").read_text()

@@ -24,6 +24,7 @@ import xxhash
 from vllm_omni_kv.errors import KVPayloadError
 from vllm_omni_kv.kvcache.cache_layout import KVLayoutId, check_view, dense_pages, page_view
 from vllm_omni_kv.kvcache.meta import SHARED_PAGES, PayloadMeta
+from vllm_omni_kv.kvcache.page_copy import STREAM_MIN_BYTES, copy_runs, pack_runs
 from vllm_omni_kv.wire.payload import KVCacheTransferData
 
 SHARED = "shared"
@@ -181,7 +182,8 @@ def copy_pages(
     payload's pages; ``pairs[j]`` is payload page ``first + j``) each destination page is
     verified right after it is written: ``KVPayloadError`` on a mismatch, and (before
     anything is copied) for a pair outside either cache. Dense host pages are one
-    ``memmove`` per run; anything else is a tensor copy per run."""
+    native call per layer (:mod:`~vllm_omni_kv.kvcache.page_copy`; streaming stores for
+    copies of at least ``STREAM_MIN_BYTES``); anything else is a tensor copy per run."""
     if pairs and src:  # pages are copied by address: never outside either cache
         s_ids, d_ids = [s for s, _ in pairs], [d for _, d in pairs]
         n_src, n_dst = min(int(p.shape[0]) for p in src), min(int(p.shape[0]) for p in dst)
@@ -192,18 +194,22 @@ def copy_pages(
                 f"{n_dst} lie outside a cache (a corrupt payload)"
             )
     runs = page_runs(pairs)
+    table = pack_runs(sorted((s0, d0, n) for _i0, s0, d0, n in runs))  # reads in order
+    stream = bool(src) and len(pairs) * sum(_page_bytes(p) for p in src) >= STREAM_MIN_BYTES
     moved = 0
-    memmove = ctypes.memmove
     for layer, (sp, dp) in enumerate(zip(src, dst, strict=True)):
         esize = sp.element_size()
         per = sp[0].numel() * esize
         s_stride, d_stride = sp.stride(0) * esize, dp.stride(0) * dp.element_size()
         host = dense_pages(sp) and dense_pages(dp) and s_stride >= per
-        if host and sums is None and s_stride == per == d_stride:
-            s_base, d_base = sp.data_ptr(), dp.data_ptr()  # the common case: a tight loop
-            for _i0, s0, d0, n in runs:
-                memmove(d_base + d0 * per, s_base + s0 * per, n * per)
-            moved += len(pairs) * per
+        if host and sums is None and d_stride >= per:  # the common case: one native call
+            moved += copy_runs(
+                (dp.data_ptr(), d_stride, int(dp.shape[0])),
+                (sp.data_ptr(), s_stride, int(sp.shape[0])),
+                per,
+                table,
+                stream,
+            )
             continue
         for i0, s0, d0, n in runs:
             if host:
@@ -223,6 +229,10 @@ def copy_pages(
                     _verify(dp, d0, n, sums[layer], first + i0, layer)
             moved += n * per
     return moved
+
+
+def _page_bytes(pv: torch.Tensor) -> int:
+    return int(pv[0].numel()) * pv.element_size()
 
 
 def _verify(dp: torch.Tensor, d0: int, n: int, sums: list[int], p0: int, layer: int) -> None:

@@ -78,6 +78,8 @@ class FrameInfo:
     tensors: list[tuple[torch.dtype, list[int], int, int]]
     blobs: list[tuple[int, int]]
     chunks: ChunkMap
+    #: tensor/blob references in ``tree`` (none: the tree is returned as it is)
+    refs: int = 1
 
     @property
     def data_start(self) -> int:
@@ -118,10 +120,17 @@ def parse(
         if head.nbytes < p.total:
             raise KVPayloadError("truncated frame: the digest trailer is not available")
         check_head(head, p)
+    refs = 0
+
+    def count_refs(code: int, data: bytes) -> Any:
+        nonlocal refs
+        refs += 1
+        return _ext_hook(code, data)
+
     try:
         header = msgpack.unpackb(
             head[PRELUDE_SIZE : PRELUDE_SIZE + p.header_len],
-            ext_hook=_ext_hook,
+            ext_hook=count_refs,
             strict_map_key=False,
             raw=False,
         )
@@ -147,7 +156,7 @@ def parse(
             f"frame trailer holds {p.digests} chunk digests but its spans make "
             f"{chunks.count} chunks of {chunk_bytes} bytes"
         )
-    return FrameInfo(p, header["v"], tensors, blobs, chunks)
+    return FrameInfo(p, header["v"], tensors, blobs, chunks, refs)
 
 
 def _check_depth(tree: Any) -> None:
@@ -167,7 +176,7 @@ def _check_depth(tree: Any) -> None:
                 f"frame header nests lists/maps deeper than {MAX_DEPTH} levels: not a "
                 "vllm-omni-kv payload"
             )
-        stack.extend((c, depth + 1) for c in children)
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
 
 
 def _resolve(tree: Any, tensors: Sequence[Any], blobs: Sequence[Any]) -> Any:
@@ -197,7 +206,7 @@ def materialize(mv: memoryview, info: FrameInfo) -> Any:
             u8 = torch.frombuffer(mv, dtype=torch.uint8, count=nbytes, offset=base + off)
             views.append(u8.view(dtype).view(shape))
     blobs = [bytes(mv[base + off : base + off + nb]) for off, nb in info.blobs]
-    return _resolve(info.tree, views, blobs)
+    return _resolve(info.tree, views, blobs) if info.refs else info.tree
 
 
 def _as_bytes(raw: Any) -> memoryview:

@@ -284,3 +284,30 @@ def test_a_process_that_used_nixl_exits_cleanly() -> None:
     env = {k: v for k, v in os.environ.items() if k != "UCX_MODULES"}
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=120)
     assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+
+
+def test_a_cache_registered_after_the_handshake_is_pulled_after_reloading() -> None:
+    """NIXL reads only ranges it saw registered in the peer's metadata. A producer whose KV
+    cache was registered after a consumer loaded that metadata (a pool pull came first):
+    the consumer's first page pull loads it again, then reads; a range the producer never
+    registered is refused before any transfer."""
+    from vllm_omni_kv.backends.transfer_engine.selftest import pull_pages
+
+    sender = _conn("sender", register_cache=True)
+    receiver = _conn("receiver", register_cache=True)
+    try:
+        t = torch.arange(1024, dtype=torch.float32)
+        _ok, _size, meta = sender.put("0", "1", "warm", t)
+        got = receiver.get("0", "1", "warm", meta)  # loads the sender's metadata: its pool
+        assert got is not None
+        got[0].release()
+        nixl = receiver._nixl
+        assert nixl is not None
+        assert len(nixl.handshake(sender.engine.session).spans) == 1
+        assert pull_pages(sender, receiver, "cpu") == ("ok", True)  # its cache comes now
+        assert len(nixl.handshake(sender.engine.session).spans) == 2  # pool + cache
+        with pytest.raises(KVTransferError, match="not in the sender's registered memory"):
+            nixl.read_many(sender.engine.session, [(receiver.base_ptr, 4096, 64)])
+    finally:
+        receiver.close()
+        sender.close()

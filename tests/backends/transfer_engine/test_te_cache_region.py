@@ -1,14 +1,17 @@
-"""Mooncake TE ``register_cache``: pulling pages straight out of a producer's registered cache.
+"""``register_cache`` (Mooncake TE and NIXL): pulling pages straight out of a producer's
+registered cache.
 
-The producer runs in its own process (spawned) with a vLLM-like KV cache (one int8
-allocation made inside the region's allocation context, viewed per layer) filled
+Every test runs once per engine (one implementation, :mod:`...cache_region`, behind
+both). The producer runs in its own process (spawned) with a vLLM-like KV cache (one
+int8 allocation made inside the region's allocation context, viewed per layer) filled
 from a seeded generator; the consumer here rebuilds the expected bytes from the same
-seed, independently of the code under test. Transfers are real Mooncake TCP reads
-on 127.0.0.1.
+seed, independently of the code under test. Transfers are real Mooncake TCP reads or
+NIXL/UCX reads on 127.0.0.1.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import multiprocessing as mp
 import os
 import time
@@ -24,10 +27,30 @@ from vllm_omni_kv.errors import KVPayloadError, KVTransferError
 from vllm_omni_kv.kvcache.cache_layout import KVLayoutId, page_view
 from vllm_omni_kv.kvcache.shared_pages import shared_fields
 
-from ..conformance import te_config
+from ..conformance import nixl_config, pull_backend, te_config
 
-pytestmark = [pytest.mark.mooncake]
-pytest.importorskip("mooncake.engine", reason="the Mooncake transfer engine wheel is not installed")
+ENGINES = [
+    pytest.param(
+        "mooncake_te",
+        marks=[
+            pytest.mark.mooncake,
+            pytest.mark.skipif(
+                importlib.util.find_spec("mooncake") is None,
+                reason="the Mooncake transfer engine wheel is not installed",
+            ),
+        ],
+    ),
+    pytest.param(
+        "nixl",
+        marks=[
+            pytest.mark.nixl,
+            pytest.mark.skipif(
+                importlib.util.find_spec("nixl") is None, reason="nixl is not installed"
+            ),
+        ],
+    ),
+]
+CONFIG = {"mooncake_te": te_config, "nixl": nixl_config}
 
 FROM, TO = "prefill", "decode"
 LAYERS, BLOCKS, HEADS, BS, DIM = 3, 48, 2, 16, 32
@@ -52,13 +75,12 @@ def _views(buf: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
-def producer_main(conn: Connection, cfg: dict[str, Any]) -> None:
+def producer_main(conn: Connection, backend: str, cfg: dict[str, Any]) -> None:
     """Child: a sender with ``register_cache`` and a seeded cache in its region."""
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-    from vllm_omni_kv.backends.transfer_engine.mooncake import MooncakeTransferEngineConnector
     from vllm_omni_kv.kvcache.shared_pages import describe_request, layer_geometry
 
-    c = MooncakeTransferEngineConnector(cfg)
+    c = pull_backend(backend)[0](cfg)
     region = c.cache_region
     assert region is not None
     ctx = region.allocation_context()
@@ -108,10 +130,11 @@ def producer_main(conn: Connection, cfg: dict[str, Any]) -> None:
 
 
 class Producer:
-    def __init__(self, cfg: dict[str, Any]) -> None:
+    def __init__(self, backend: str, cfg: dict[str, Any]) -> None:
+        self.backend = backend
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=producer_main, args=(child, cfg), daemon=True)
+        self.proc = ctx.Process(target=producer_main, args=(child, backend, cfg), daemon=True)
         self.proc.start()
         child.close()
         self.info = self._recv(90)["info"]
@@ -137,9 +160,11 @@ class Producer:
             self.proc.kill()
 
 
-@pytest.fixture(scope="module")
-def producer() -> Iterator[Producer]:
-    p = Producer(te_config("sender", pool_mib=16, register_cache=True, lease_slack_s=0.5))
+@pytest.fixture(scope="module", params=ENGINES)
+def producer(request: pytest.FixtureRequest) -> Iterator[Producer]:
+    engine = request.param
+    cfg = CONFIG[engine]("sender", pool_mib=16, register_cache=True, lease_slack_s=0.5)
+    p = Producer(engine, cfg)
     try:
         yield p
     finally:
@@ -147,10 +172,8 @@ def producer() -> Iterator[Producer]:
 
 
 def _consumer(producer: Producer, **over: Any) -> Any:
-    from vllm_omni_kv.backends.transfer_engine.mooncake import MooncakeTransferEngineConnector
-
-    cfg = te_config("receiver", pool_mib=8, register_cache=True, **over)
-    c = MooncakeTransferEngineConnector(cfg)
+    cfg = CONFIG[producer.backend]("receiver", pool_mib=8, register_cache=True, **over)
+    c = pull_backend(producer.backend)[0](cfg)
     c.update_sender_info(producer.info["host"], producer.info["zmq_port"])
     return c
 
@@ -293,13 +316,26 @@ def test_hostile_descriptors_read_nothing(producer: Producer) -> None:
 
 
 def test_register_cache_is_off_by_default_and_checked(producer: Producer) -> None:
-    from vllm_omni_kv.backends.transfer_engine.mooncake import MooncakeTransferEngineConnector
     from vllm_omni_kv.errors import ConfigError
 
-    c = MooncakeTransferEngineConnector(te_config("receiver", pool_mib=4))
+    cls, config = pull_backend(producer.backend)
+    c = cls(config("receiver", pool_mib=4))
     try:
         assert c.cache_region is None
     finally:
         c.close()
-    with pytest.raises(ConfigError, match="register_cache"):
-        MooncakeTransferEngineConnector(te_config("receiver", pool_mib=4, register_cache="yes"))
+    for key in ("register_cache", "verify_pages"):  # refused before an engine starts
+        with pytest.raises(ConfigError, match=key):
+            cls(config("receiver", pool_mib=4, **{"register_cache": True, key: "yes"}))
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_doctor_selftest_pulls_registered_pages(engine: str) -> None:
+    """The ``doctor --selftest`` row of the engine's registered-cache mode passes."""
+    import importlib
+
+    from vllm_omni_kv.cli import BACKENDS
+
+    module, _, fn = BACKENDS[f"{engine} (register_cache)"][0].partition(":")
+    result = getattr(importlib.import_module(module), fn)()
+    assert result["ok"], result

@@ -16,13 +16,19 @@ Config keys: those of the pull connector (``role``, ``host``, ``zmq_port``,
 ``sender_zmq_port``, ``auth_key_file``) plus ``nixl_backends`` (default ``["UCX"]``),
 ``nixl_num_threads`` (UCX worker threads, 0 = NIXL's default),
 ``handshake_timeout_s`` (per try, default ``side_channel_timeout_s``) and
-``handshake_retries`` (default 1).
+``handshake_retries`` (default 1), ``register_cache`` and ``verify_pages`` (as for
+``mooncake_te``: this engine's KV cache is registered with the agent too, ``DRAM`` on
+CPU and ``VRAM`` of its device on a GPU, and consumers pull just the page runs they
+lack straight out of it; see
+:class:`~vllm_omni_kv.backends.transfer_engine.cache_region.CacheRegionConnector`).
 
 What runs where: on CPU the pool is host memory (``DRAM``) and UCX moves it over
 shared memory / TCP on one host, RDMA between hosts where present. With
 ``memory_pool_device: cuda[:N]`` the pool is registered as ``VRAM`` (GPU-direct
 with UCX's cuda transports); that path is written but has not run on a GPU in
-this project's CI, and a device pool is pulled whole (no ranged loads).
+this project's CI, and a device pool is pulled whole (no ranged loads). The same
+holds for a CUDA KV cache registered with ``register_cache`` (``VRAM``, read device
+to device): written, not run on a GPU yet.
 """
 
 from __future__ import annotations
@@ -30,12 +36,14 @@ from __future__ import annotations
 from typing import Any
 
 from vllm_omni_kv.backends.nixl.engine import MD_OP, NixlEngine
-from vllm_omni_kv.backends.transfer_engine.pull import EngineAdapter, PullTransferConnector
+from vllm_omni_kv.backends.transfer_engine.cache_region import CacheRegionConnector
+from vllm_omni_kv.backends.transfer_engine.pull import EngineAdapter
 from vllm_omni_kv.errors import ConfigError
 
 
-class NixlConnector(PullTransferConnector):
-    """Omni connector over NIXL with a managed, registered pool."""
+class NixlConnector(CacheRegionConnector):
+    """Omni connector over NIXL with a managed, registered pool (and with
+    ``register_cache``, the KV cache registered too)."""
 
     backend_name = "nixl"
 
@@ -116,3 +124,11 @@ def selftest() -> dict[str, Any]:
             sender.close()
     except Exception as e:
         return {"ok": False, "detail": f"{type(e).__name__}: {e}"}
+
+
+def cache_selftest() -> dict[str, Any]:
+    """``register_cache``: pages of one connector's registered cache pulled by another
+    over NIXL/UCX (two agents of this process)."""
+    from vllm_omni_kv.backends.transfer_engine.selftest import cache_round_trip
+
+    return cache_round_trip(NixlConnector)

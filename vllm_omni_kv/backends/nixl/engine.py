@@ -1,14 +1,19 @@
 """A NIXL agent behind the pull connector's :class:`EngineAdapter` interface.
 
 One agent per connector (a unique name), over UCX by default. The pool is
-registered once (``DRAM`` for a host pool, ``VRAM`` for a ``cuda`` pool). A
-peer is named by its *session* ``"<agent>@<host>:<side-channel port>"``: the
-first read from a session fetches that agent's metadata over our ZMQ side
-channel (op ``nixl_md``, each try bounded by ``handshake_timeout_s``, at most
-``1 + handshake_retries`` tries) and loads it with ``add_remote_agent``. A read
-is one ``READ`` transfer polled until done; past ``timeout_s`` it is aborted and
-raises :class:`KVTransferTimeout`. A failed transfer forgets the peer so the
-next read handshakes again (a restarted sender has a new agent name anyway).
+registered once (``DRAM`` for a host pool, ``VRAM`` for a ``cuda`` pool); with
+``register_cache`` the KV cache is registered too (``DRAM``, or ``VRAM`` of its
+device through :meth:`NixlEngine.register_device`). A peer is named by its
+*session* ``"<agent>@<host>:<side-channel port>"``: the first read from a session
+fetches that agent's metadata over our ZMQ side channel (op ``nixl_md``, each try
+bounded by ``handshake_timeout_s``, at most ``1 + handshake_retries`` tries) and
+loads it with ``add_remote_agent``. The reply also lists the peer's registered
+ranges and their memory types; a read of a range outside them fetches the
+metadata once more (the peer registered memory since) before it is refused. A
+read is one ``READ`` transfer (several ranges: one transfer of several
+descriptors) polled until done; past ``timeout_s`` it is aborted and raises
+:class:`KVTransferTimeout`. A failed transfer forgets the peer so the next read
+handshakes again (a restarted sender has a new agent name anyway).
 """
 
 from __future__ import annotations
@@ -84,9 +89,27 @@ def parse_session(session: str) -> tuple[str, str]:
     return name, f"tcp://{hostport}"
 
 
+#: a registered range: ``(address, bytes, memory type, device id)``
+Span = tuple[int, int, str, int]
+
+
+def memory_of(device: str) -> tuple[str, int]:
+    """NIXL's ``(memory type, device id)`` of a torch device string (``cpu``, ``cuda:N``)."""
+    dev = device.split(":")
+    return ("VRAM" if dev[0] == "cuda" else "DRAM"), (int(dev[1]) if len(dev) > 1 and dev[1] else 0)
+
+
+def _kind(spans: list[Span], addr: int, n: int) -> tuple[str, int] | None:
+    """The memory type and device of the registered range holding ``[addr, addr+n)``."""
+    for base, size, mem, dev in spans:
+        if base <= addr and addr + n <= base + size:
+            return mem, dev
+    return None
+
+
 class _Peer:
-    def __init__(self, name: str, mem_type: str, device_id: int) -> None:
-        self.name, self.mem_type, self.device_id = name, mem_type, device_id
+    def __init__(self, name: str, spans: list[Span]) -> None:
+        self.name, self.spans = name, spans
 
 
 class NixlEngine:
@@ -108,9 +131,7 @@ class NixlEngine:
         self.timeout_s = timeout_s
         self.handshake_timeout_s = handshake_timeout_s
         self.handshake_retries = max(0, handshake_retries)
-        dev = device.split(":")
-        self.mem_type = "VRAM" if dev[0] == "cuda" else "DRAM"
-        self.device_id = int(dev[1]) if len(dev) > 1 and dev[1] else 0
+        self.mem_type, self.device_id = memory_of(device)  # the pool's
         # several pull threads share the agent: RW mode lets transfers run side by side and
         # makes metadata changes (register, add/remove remote agents) exclusive
         conf = config_cls(
@@ -131,7 +152,7 @@ class NixlEngine:
                 "set nixl_backends to one of those"
             )
         self.session = f"{self.name}@127.0.0.1:0"  # set by ``advertise``
-        self._regs: dict[int, Any] = {}
+        self._regs: dict[int, tuple[Any, Span]] = {}  # address -> (NIXL handle, range)
         self._peers: OrderedDict[str, _Peer] = OrderedDict()
         self._lock = threading.Lock()
         self._session_locks: dict[str, threading.Lock] = {}
@@ -144,44 +165,54 @@ class NixlEngine:
 
     def metadata(self) -> dict[str, Any]:
         """What a peer needs to read from this agent (served under :data:`MD_OP`)."""
-        return {
-            "agent": self.name,
-            "metadata": self.agent.get_agent_metadata(),
-            "mem_type": self.mem_type,
-            "device_id": self.device_id,
-        }
+        with self._lock:
+            spans = [list(span) for _reg, span in self._regs.values()]
+        return {"agent": self.name, "metadata": self.agent.get_agent_metadata(), "spans": spans}
 
     def register(self, addr: int, size: int) -> None:
+        """Register the pool (memory of the pool's device)."""
+        self._register((addr, size, self.mem_type, self.device_id))
+
+    def register_device(self, addr: int, size: int, device: str) -> None:
+        """Register ``size`` bytes at ``addr`` on ``device`` (``cpu``: ``DRAM``, ``cuda:N``:
+        ``VRAM`` of device N), e.g. a KV cache that peers read directly."""
+        self._register((addr, size, *memory_of(device)))
+
+    def _register(self, span: Span) -> None:
+        addr, size, mem, dev = span
         try:
-            self._regs[addr] = self.agent.register_memory(
-                [(addr, size, self.device_id, "")], self.mem_type
-            )
+            reg = self.agent.register_memory([(addr, size, dev, "")], mem)
         except Exception as e:
             raise KVTransferError(
-                f"NIXL register_memory({addr:#x}, {size}, {self.mem_type}) failed: {e} "
+                f"NIXL register_memory({addr:#x}, {size}, {mem}) failed: {e} "
                 "(memlock limits? try a smaller memory_pool_size)"
             ) from None
+        with self._lock:
+            self._regs[addr] = (reg, span)
 
     def unregister(self, addr: int) -> None:
-        reg = self._regs.pop(addr, None)
+        with self._lock:
+            reg = self._regs.pop(addr, None)
         if reg is not None:
-            self.agent.deregister_memory(reg)
+            self.agent.deregister_memory(reg[0])
 
     # -- handshake -------------------------------------------------------------------
-    def handshake(self, session: str) -> _Peer:
-        """The peer of ``session``, fetching and loading its metadata on first use."""
+    def handshake(self, session: str, stale: _Peer | None = None) -> _Peer:
+        """The peer of ``session``, fetching and loading its metadata on first use (and
+        again when the loaded one is ``stale``: loading an agent's metadata once more
+        adds the memory it registered since)."""
         with self._lock:
             if self._closed:
                 raise KVTransferError("the NIXL engine is closed; create a new connector")
             peer = self._peers.get(session)
-            if peer is not None:
+            if peer is not None and peer is not stale:
                 self._peers.move_to_end(session)
                 return peer
             slock = self._session_locks.setdefault(session, threading.Lock())
         with slock:  # one handshake per peer at a time; others wait for its result
             with self._lock:
                 peer = self._peers.get(session)
-            if peer is not None:
+            if peer is not None and peer is not stale:
                 return peer
             peer = self._fetch(session)
             with self._lock:
@@ -224,7 +255,11 @@ class NixlEngine:
                 raise KVTransferError(
                     f"NIXL metadata from {endpoint} names {loaded!r}, not {name!r}"
                 )
-        return _Peer(name, str(reply.get("mem_type", "DRAM")), int(reply.get("device_id", 0)))
+        try:
+            spans = [(int(a), int(n), str(m), int(d)) for a, n, m, d in reply.get("spans") or []]
+        except (TypeError, ValueError):
+            raise KVTransferError(f"NIXL metadata from {endpoint}: bad memory ranges") from None
+        return _Peer(name, spans)
 
     def forget(self, session: str) -> None:
         """Drop a peer (after a failed transfer); the next read handshakes again."""
@@ -246,27 +281,57 @@ class NixlEngine:
 
     # -- transfers -------------------------------------------------------------------
     def read(self, session: str, local_addr: int, remote_addr: int, length: int) -> None:
-        """Copy ``length`` bytes at ``remote_addr`` of ``session``'s pool to ``local_addr``.
+        """Copy ``length`` bytes at ``remote_addr`` of ``session``'s registered memory to
+        ``local_addr``.
 
         Raises :class:`KVTransferError` (never its ``TimeoutError`` subclass: the pull
         connector runs reads in futures, whose waits treat ``TimeoutError`` as "not done").
         """
+        self.read_many(session, [(local_addr, remote_addr, length)])
+
+    def read_many(self, session: str, reads: list[tuple[int, int, int]]) -> None:
+        """Several ``(local, remote, bytes)`` reads from ``session``: one NIXL transfer of
+        as many descriptors per pair of memory types (usually one). Raises like :meth:`read`."""
         try:
-            self._read(session, local_addr, remote_addr, length)
+            peer = self.handshake(session)
+            kinds = [_kind(peer.spans, r, n) for _l, r, n in reads]
+            if None in kinds:  # the peer may have registered memory since we loaded it
+                peer = self.handshake(session, stale=peer)
+                kinds = [_kind(peer.spans, r, n) for _l, r, n in reads]
+            with self._lock:
+                spans = [span for _reg, span in self._regs.values()]
+            groups: dict[tuple[str, str], list[tuple[int, int, int, int, int]]] = {}
+            for (local, remote, n), kind in zip(reads, kinds, strict=True):
+                if kind is None:
+                    raise KVTransferError(
+                        f"NIXL cannot read {n} bytes at {remote:#x} from {peer.name}: the range "
+                        "is not in the sender's registered memory"
+                    )
+                lmem, ldev = _kind(spans, local, n) or (self.mem_type, self.device_id)
+                groups.setdefault((lmem, kind[0]), []).append((local, remote, n, ldev, kind[1]))
+            for (lmem, rmem), group in groups.items():
+                self._transfer(session, peer, lmem, rmem, group)
         except KVTransferTimeout as e:
             raise KVTransferError(str(e)) from None
 
-    def _read(self, session: str, local_addr: int, remote_addr: int, length: int) -> None:
-        peer = self.handshake(session)
+    def _transfer(
+        self,
+        session: str,
+        peer: _Peer,
+        lmem: str,
+        rmem: str,
+        reads: list[tuple[int, int, int, int, int]],
+    ) -> None:
         agent = self.agent
+        total = sum(r[2] for r in reads)
         try:
-            local = agent.get_xfer_descs([(local_addr, length, self.device_id)], self.mem_type)
-            remote = agent.get_xfer_descs([(remote_addr, length, peer.device_id)], peer.mem_type)
+            local = agent.get_xfer_descs([(a, n, ld) for a, _r, n, ld, _rd in reads], lmem)
+            remote = agent.get_xfer_descs([(r, n, rd) for _a, r, n, _ld, rd in reads], rmem)
             handle = agent.initialize_xfer("READ", local, remote, peer.name)
         except Exception as e:
             raise KVTransferError(
-                f"NIXL cannot read {length} bytes at {remote_addr:#x} from {peer.name}: {e} "
-                "(the range is not in the sender's registered pool)"
+                f"NIXL cannot read {total} bytes ({len(reads)} ranges, {lmem} <- {rmem}) from "
+                f"{peer.name}: {e} (the ranges are not in the registered memory)"
             ) from None
         try:
             state = agent.transfer(handle)
@@ -277,7 +342,7 @@ class NixlEngine:
         if state != "DONE":
             self.forget(session)
             raise KVTransferError(
-                f"NIXL read of {length} bytes from {peer.name} failed ({state}): the sender "
+                f"NIXL read of {total} bytes from {peer.name} failed ({state}): the sender "
                 "is gone or unreachable"
             )
         handle.release()

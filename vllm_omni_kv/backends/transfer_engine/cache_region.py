@@ -1,11 +1,27 @@
-"""The producer's KV cache registered with the Mooncake Transfer Engine (``register_cache``).
+"""The producer's KV cache registered with a pull connector's engine (``register_cache``).
+
+One implementation for every engine behind the pull connector's
+:class:`~vllm_omni_kv.backends.transfer_engine.pull_stream.EngineAdapter` (Mooncake
+Transfer Engine, NIXL): it registers memory with the engine and pulls with the
+connector's bounded (batched) engine reads, nothing engine-specific.
 
 Producer: inside :meth:`TECacheRegion.allocation_context` vLLM's one host allocation of
 the KV cache becomes a page-aligned anonymous mapping registered with the connector's
-transfer engine. A payload is then a small shared-pages frame (block ids, layer
-geometry, page digests) put in the pool as usual; consumers pull the pages they lack
-straight out of the registered cache with engine reads: no staging copy on the
-producer.
+engine. A payload is then a small shared-pages frame (block ids, layer geometry, page
+digests) put in the pool as usual; consumers pull the pages they lack straight out of
+the registered cache with engine reads: no staging copy on the producer.
+
+A CUDA cache (vLLM allocates it in one ``torch.zeros`` on the device, which the
+allocation context leaves alone) is registered where it is exported, as device memory
+(:meth:`TECacheRegion.export`; NIXL: ``VRAM`` of its device, Mooncake: a CUDA build's
+``register_memory`` of the device pointer), and pages move device to device; the
+producer synchronizes its stream before publishing a payload. An engine that cannot
+register device memory (Mooncake's non-CUDA build), a failed registration or
+expandable segments leave the cache unregistered: packed payloads, logged at start.
+**The CUDA path has not run on a GPU** in this project (no GPU in its CI); its test
+(``test_register_cache_cuda_pages_move_device_to_device`` in
+``tests/backends/test_conformance.py``) is in ``make gpu-check`` and skips there
+unless the engine's package is installed.
 
 Holds are the pull protocol's exposure of that small frame (its edge key): the
 consumer's stream on the frame holds a lease for the whole copy (``SharedCopy.apply``
@@ -25,89 +41,50 @@ is bounded by ``transfer_timeout_s``.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import contextlib
-import ctypes
-import math
 import mmap
+import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-import xxhash
 
 from vllm_omni_kv.backends.cache_region import AllocateHostCache, CacheRegion
 from vllm_omni_kv.backends.keys import edge_key
-from vllm_omni_kv.backends.pool import ManagedBuffer
-from vllm_omni_kv.backends.transfer_engine.pull_stream import when_reads_end
-from vllm_omni_kv.errors import KVPayloadError, KVTransferError
-from vllm_omni_kv.kvcache.cache_layout import KVLayoutId, dense_pages, page_view
-from vllm_omni_kv.kvcache.shared_pages import attach_layers, layer_geometry, page_runs
+from vllm_omni_kv.backends.transfer_engine.page_pull import PagePull
+from vllm_omni_kv.backends.transfer_engine.pull import PullTransferConnector
+from vllm_omni_kv.errors import ConfigError, KVPayloadError, KVTransferError
+from vllm_omni_kv.kvcache.cache_layout import KVLayoutId, page_view
+from vllm_omni_kv.kvcache.shared_pages import attach_layers, layer_geometry
 from vllm_omni_kv.logger import init_logger
-
-if TYPE_CHECKING:
-    from vllm_omni_kv.backends.transfer_engine.pull import PullTransferConnector
 
 logger = init_logger(__name__)
 
-KIND = "mooncake_te"
-#: largest pool block a staged pull (consumer cache not registered) reads at a time
-STAGE_BYTES = 4 << 20
-#: ranges per batched engine read (Mooncake over TCP failed a batch of 4096 64 KiB ranges)
-BATCH_READS = 256
-#: how long a failed copy waits for reads still writing into the consumer's cache
-DRAIN_S = 10.0
 
-
-def _direct_reads(
-    s_base: int,
-    s_stride: int,
-    dp: torch.Tensor,
-    d_stride: int,
-    per: int,
-    s0: int,
-    d0: int,
-    n: int,
-) -> list[tuple[int, int, int]]:
-    """``(local, remote, bytes)`` reads of pages ``s0..s0+n`` into pages ``d0..`` of ``dp``."""
-    local = dp.data_ptr() + d0 * d_stride
-    remote = s_base + s0 * s_stride
-    if s_stride == per == d_stride:
-        return [(local, remote, n * per)]
-    return [(local + j * d_stride, remote + j * s_stride, per) for j in range(n)]
-
-
-def _check_digests(
-    addr: int, per: int, n: int, sums: list[int], p0: int, layer: int, stride: int
-) -> None:
-    """Verify ``n`` pages of host memory at ``addr`` (``stride`` bytes apart)."""
-    for j in range(n):
-        page = (ctypes.c_char * per).from_address(addr + j * stride)
-        if xxhash.xxh3_64_intdigest(memoryview(page).cast("B")) != sums[p0 + j]:
-            raise KVPayloadError(
-                f"registered-cache pull: layer {layer} page {p0 + j} does not match the "
-                "producer's digest (its block was rewritten while being read)"
-            )
-
-
-def _release_after(buf: ManagedBuffer, reads: list[cf.Future[None]]) -> None:
-    """Free the staging block ``buf`` once no read into it is running (an abandoned read
-    may still write into it)."""
-    when_reads_end(reads, buf.release)
+def _register(conn: PullTransferConnector, addr: int, size: int, device: torch.device) -> None:
+    """Register ``size`` bytes at ``addr`` on ``device`` with the connector's engine."""
+    register = getattr(conn.engine, "register_device", None)
+    if register is not None:
+        register(addr, size, str(device))
+    elif device.type == "cpu":
+        conn.engine.register(addr, size)
+    else:
+        raise KVTransferError(f"the {conn.backend_name} engine cannot register {device} memory")
 
 
 class TECacheRegion(CacheRegion):
-    """A host KV cache registered with the connector's transfer engine (both roles)."""
-
-    kind = KIND
+    """A KV cache registered with the connector's engine (both roles); its ``kind`` (named
+    in payloads) is the connector's backend name: ``mooncake_te`` or ``nixl``."""
 
     def __init__(self, conn: PullTransferConnector) -> None:
         self.conn = conn
-        self.tensor: torch.Tensor | None = None
+        self.kind = conn.backend_name
+        self.tensor: torch.Tensor | None = None  # flat bytes of the registered cache
         self._map: mmap.mmap | None = None
-        self._registered: int | None = None  # base address while registered
+        self._registered: int | None = None  # base address of ``tensor`` while registered
+        self._addrs: list[int] = []  # everything registered here (unregistered at close)
         self._lock = threading.Lock()
 
     # -- producer (and consumer: its own cache is registered too) ------------------------
@@ -116,29 +93,90 @@ class TECacheRegion(CacheRegion):
 
     def allocate(self, nbytes: int) -> torch.Tensor:
         """A zeroed, page-aligned ``int8`` host tensor of ``nbytes``, registered with the
-        transfer engine."""
+        connector's engine."""
         mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         tensor = torch.frombuffer(mm, dtype=torch.int8, count=nbytes)
         addr = tensor.data_ptr()
-        self.conn.engine.register(addr, nbytes)
+        _register(self.conn, addr, nbytes, tensor.device)
         with self._lock:
             self._map, self.tensor, self._registered = mm, tensor, addr
-        logger.info(
-            "KV cache (%.1f MiB) registered with the transfer engine at %s: consumers pull "
-            "its pages directly",
-            nbytes / 2**20,
-            self.conn.engine.session,
-        )
+            self._addrs.append(addr)
+        self._registered_log(nbytes, "host")
         return tensor
 
+    def _registered_log(self, nbytes: int, where: str) -> None:
+        logger.info(
+            "KV cache (%.1f MiB, %s) registered with the %s engine at %s: consumers pull its "
+            "pages directly",
+            nbytes / 2**20,
+            where,
+            self.conn.backend_name,
+            self.conn.engine.session,
+        )
+
     def export(self, caches: Sequence[torch.Tensor]) -> tuple[dict[str, Any], int, int] | None:
-        if self.tensor is None or not caches:
+        if not caches:
             return None
-        base, nbytes = self.tensor.data_ptr(), int(self.tensor.numel())
+        if caches[0].device.type == "cuda" and not self._register_device_cache(caches):
+            return None
+        t = self.tensor
+        if t is None or t.device != caches[0].device:
+            return None
+        base, nbytes = t.data_ptr(), int(t.numel())
         if layer_geometry(caches, base, nbytes) is None:
             return None
-        desc = {"kind": KIND, "session": self.conn.engine.session, "base": base, "size": nbytes}
+        desc = {
+            "kind": self.kind,
+            "session": self.conn.engine.session,
+            "base": base,
+            "size": nbytes,
+        }
         return desc, base, nbytes
+
+    def _register_device_cache(self, caches: Sequence[torch.Tensor]) -> bool:
+        """Register the CUDA allocation holding ``caches`` (vLLM's one ``torch.zeros``) as
+        device memory; False, with a warning, where it cannot be (packed payloads).
+        Written for GPUs, **not run on one yet** (no GPU in this project's CI)."""
+        storage = caches[0].untyped_storage()
+        base, nbytes = storage.data_ptr(), storage.nbytes()
+        if self._registered == base:
+            return True  # exported before
+        why = ""
+        if self.tensor is not None and self.tensor.device.type != "cpu":
+            why = "another device cache is registered already"
+        elif any(c.untyped_storage().data_ptr() != base for c in caches):
+            why = "its layers are not one allocation"
+        elif "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").lower():
+            why = "PYTORCH_CUDA_ALLOC_CONF has expandable_segments (not registrable memory)"
+        else:
+            try:
+                _register(self.conn, base, nbytes, caches[0].device)
+            except Exception as e:
+                why = f"{type(e).__name__}: {e}"
+        if why:
+            logger.warning(
+                "%s register_cache: the KV cache on %s is not registered (%s): packed payloads",
+                self.conn.backend_name,
+                caches[0].device,
+                why,
+            )
+            return False
+        view = torch.empty(0, dtype=torch.uint8, device=caches[0].device)
+        view.set_(storage, 0, (nbytes,), (1,))
+        with self._lock:
+            self.tensor, self._registered = view, base
+            self._addrs.append(base)
+        if self.digests:
+            logger.warning("verify_pages is for host caches: off for the KV cache on a GPU")
+            self.digests = False  # hashing device pages would need a copy to the host
+        self._registered_log(nbytes, str(caches[0].device))
+        return True
+
+    def ready(self, caches: Sequence[torch.Tensor]) -> None:
+        """The pages a payload names are final (a device cache: the forward that wrote
+        them has run)."""
+        if caches and caches[0].device.type == "cuda":
+            torch.cuda.current_stream(caches[0].device).synchronize()
 
     def hold(self, from_stage: str, to_stage: str, key: str) -> str:
         name = self.hold_name(from_stage, to_stage, key)
@@ -218,22 +256,16 @@ class TECacheRegion(CacheRegion):
                 f"{n_dst} lie outside a cache (a corrupt payload)"
             )
         direct = self._registered_here(caches)
-        deadline = time.monotonic() + self.conn.transfer_timeout_s
-        reads: list[cf.Future[None]] = []
+        pull = PagePull(self.conn, session, time.monotonic() + self.conn.transfer_timeout_s)
         try:
-            return self._pull(
-                session, base, src_pages, dst_pages, pairs, sums, first, direct, deadline, reads
-            )
+            return pull.run(base, src_pages, dst_pages, pairs, sums, first, direct)
         except BaseException:
-            # a read abandoned on timeout may still write into the local cache: wait
-            cf.wait(reads, timeout=DRAIN_S)
-            if any(not f.done() for f in reads):
-                logger.error("a registered-cache read did not end within %gs of failing", DRAIN_S)
+            pull.drain()  # a read abandoned on timeout may still write into our cache
             raise
 
     def _remote(self, descriptor: Any) -> tuple[str, int, int]:
-        if not isinstance(descriptor, dict) or descriptor.get("kind") != KIND:
-            raise KVPayloadError(f"not a Mooncake registered cache region: {descriptor!r}")
+        if not isinstance(descriptor, dict) or descriptor.get("kind") != self.kind:
+            raise KVPayloadError(f"not a {self.kind} registered cache region: {descriptor!r}")
         session, base, size = (
             descriptor.get("session"),
             descriptor.get("base"),
@@ -253,147 +285,50 @@ class TECacheRegion(CacheRegion):
     def _registered_here(self, caches: Sequence[torch.Tensor]) -> bool:
         """Whether ``caches`` lie in this process's registered cache (reads land there)."""
         t = self.tensor
-        if t is None or self._registered is None or caches[0].device.type != "cpu":
+        if t is None or self._registered is None or caches[0].device != t.device:
             return False
         return layer_geometry(caches, t.data_ptr(), int(t.numel())) is not None
 
-    def _read(
-        self,
-        session: str,
-        local: int,
-        remote: int,
-        n: int,
-        deadline: float,
-        keep: Any,
-        reads: list[cf.Future[None]],
-    ) -> None:
-        self.conn._puller.read(
-            session,
-            local,
-            remote,
-            n,
-            deadline,
-            None,
-            what="registered cache pages",
-            keep=keep,
-            track=reads,
-        )
-
-    def _pull(
-        self,
-        session: str,
-        base: int,
-        src_pages: list[torch.Tensor],
-        dst_pages: list[torch.Tensor],
-        pairs: Sequence[tuple[int, int]],
-        sums: list[list[int]] | None,
-        first: int,
-        direct: bool,
-        deadline: float,
-        reads: list[cf.Future[None]],
-    ) -> int:
-        moved = 0
-        runs = page_runs(pairs)
-        batch: list[tuple[int, int, int]] = []  # direct reads, issued together below
-        checks: list[tuple[int, int, int, list[int], int, int, int]] = []
-        for layer, (sp, dp) in enumerate(zip(src_pages, dst_pages, strict=True)):
-            esize = sp.element_size()
-            per = math.prod(sp.shape[1:]) * esize
-            if not dense_pages(sp, host=False) or sp.stride(0) * esize < per:
-                raise KVPayloadError(
-                    f"registered-cache payload: layer {layer}'s pages are not contiguous in "
-                    "the producer's cache; they cannot be pulled by address"
-                )
-            s_stride = sp.stride(0) * esize
-            s_base = base + int(sp.storage_offset()) * esize
-            here = direct and dense_pages(dp, host=False) and dp.stride(0) * esize >= per
-            d_stride = dp.stride(0) * esize
-            for i0, s0, d0, n in runs:
-                if here:
-                    batch += _direct_reads(s_base, s_stride, dp, d_stride, per, s0, d0, n)
-                    if sums is not None:
-                        addr = dp.data_ptr() + d0 * d_stride
-                        checks.append((addr, per, n, sums[layer], first + i0, layer, d_stride))
-                else:
-                    self._staged(
-                        session,
-                        s_base,
-                        s_stride,
-                        dp,
-                        per,
-                        s0,
-                        d0,
-                        n,
-                        deadline,
-                        reads,
-                        sums,
-                        layer,
-                        first + i0,
-                    )
-                moved += n * per
-        for i in range(0, len(batch), BATCH_READS):  # bounded batches (one is refused whole)
-            self.conn._puller.read_many(
-                session,
-                batch[i : i + BATCH_READS],
-                deadline,
-                what="registered cache pages",
-                keep=dst_pages,
-                track=reads,
-            )
-            for check in checks:
-                _check_digests(*check)
-        return moved
-
-    def _staged(
-        self,
-        session: str,
-        s_base: int,
-        s_stride: int,
-        dp: torch.Tensor,
-        per: int,
-        s0: int,
-        d0: int,
-        n: int,
-        deadline: float,
-        reads: list[cf.Future[None]],
-        sums: list[list[int]] | None,
-        layer: int,
-        p0: int,
-    ) -> None:
-        """Pull pages through a block of the registered pool, then copy them into ``dp``."""
-        step = max(1, STAGE_BYTES // per)
-        for j in range(0, n, step):
-            k = min(step, n - j)
-            buf = self.conn.pool.alloc(k * per)
-            try:
-                remote = s_base + (s0 + j) * s_stride
-                if s_stride == per:
-                    self._read(session, buf.address, remote, k * per, deadline, buf, reads)
-                else:
-                    for i in range(k):
-                        self._read(
-                            session,
-                            buf.address + i * per,
-                            remote + i * s_stride,
-                            per,
-                            deadline,
-                            buf,
-                            reads,
-                        )
-                if sums is not None and buf.tensor.device.type == "cpu":
-                    _check_digests(buf.address, per, k, sums[layer], p0 + j, layer, per)
-                staged = buf.tensor[: k * per].view(dp.dtype).view(k, *dp.shape[1:])
-                dp[d0 + j : d0 + j + k].copy_(staged)
-            finally:
-                _release_after(buf, reads)
-
     def close(self) -> None:
-        """Unregister the cache (vLLM's views keep its mapping alive); holds are taken back
+        """Unregister the cache (vLLM's views keep its memory alive); holds are taken back
         by the connector's shared sends, exposures freed by the connector."""
         with self._lock:
-            addr, self._registered = self._registered, None
-        if addr is not None:
+            addrs, self._addrs, self._registered = self._addrs, [], None
+        for addr in addrs:
             try:
                 self.conn.engine.unregister(addr)
             except Exception as e:
                 logger.debug("unregistering the KV cache: %s", e)
+
+
+def _flag(value: Any, name: str) -> bool:
+    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+        return value.lower() in ("true", "1")
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be true or false, got {value!r}")
+    return value
+
+
+class CacheRegionConnector(PullTransferConnector):
+    """A pull connector with the ``register_cache`` option (Mooncake TE and NIXL).
+
+    ``register_cache`` (default false): register this engine's KV cache with the
+    connector's engine (:class:`TECacheRegion`), so that consumers pull the pages they
+    lack straight out of it and payloads are small frames of block ids; set it on both
+    stages. ``verify_pages`` (default false; host caches): a digest per page, verified
+    by consumers."""
+
+    def __init__(self, config: dict[str, Any] | None = None) -> None:
+        cfg = config or {}
+        register = _flag(cfg.get("register_cache", False), "register_cache")
+        pages = _flag(cfg.get("verify_pages", False), "verify_pages")
+        super().__init__(config)
+        if register:
+            self.cache_region = TECacheRegion(self)
+            self.cache_region.digests = pages
+
+    def close(self) -> None:
+        """Unregister the KV cache (``register_cache``), then close the connector."""
+        if self.cache_region is not None and not self._closed:
+            self.cache_region.close()
+        super().close()

@@ -22,12 +22,13 @@ RDMA/TCP already protect the bytes in flight), ``tcp_progress_timeout_s``
 (default 3: Mooncake's TCP transport drops a connection that moves no byte for
 this long, and the pull is retried on a fresh one; it sets
 ``MC_TCP_PROGRESS_TIMEOUT_SEC`` unless that is already in the environment),
-``register_cache`` (default False: register the engine's host KV cache with the
+``register_cache`` (default False: register the engine's KV cache with the
 transfer engine, so that consumers pull the pages they lack straight out of it and
 payloads are small frames of block ids; see
-:mod:`vllm_omni_kv.backends.transfer_engine.cache_region`. Set it on both stages),
-``verify_pages`` (with ``register_cache``: a digest per page, verified by consumers;
-default false).
+:mod:`vllm_omni_kv.backends.transfer_engine.cache_region`. Set it on both stages. A
+CUDA cache is registered as device memory with the CUDA build only, a path not run on
+a GPU yet), ``verify_pages`` (with ``register_cache``: a digest per page, verified by
+consumers; host caches; default false).
 
 Inside vLLM's CPU workers, pulls used to stall for seconds: the worker pins its
 busy-waiting main thread to one core and the transfer engine's I/O threads
@@ -42,12 +43,13 @@ Packages: ``pip install mooncake-transfer-engine`` (CUDA builds) or
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 from typing import Any
 
-from vllm_omni_kv.backends.transfer_engine.cache_region import TECacheRegion
-from vllm_omni_kv.backends.transfer_engine.pull import EngineAdapter, PullTransferConnector
-from vllm_omni_kv.errors import BackendUnavailable, ConfigError, KVTransferError
+from vllm_omni_kv.backends.transfer_engine.cache_region import CacheRegionConnector
+from vllm_omni_kv.backends.transfer_engine.pull import EngineAdapter
+from vllm_omni_kv.errors import BackendUnavailable, KVTransferError
 from vllm_omni_kv.logger import init_logger
 
 logger = init_logger(__name__)
@@ -56,6 +58,18 @@ INSTALL_HINT = (
     "pip install mooncake-transfer-engine-non-cuda (CPU-only hosts) or "
     "pip install mooncake-transfer-engine (CUDA hosts)"
 )
+
+
+def _dists() -> list[str]:
+    return list(importlib.metadata.packages_distributions().get("mooncake", []))
+
+
+def cuda_build() -> bool:
+    """Whether the ``mooncake`` package comes from the CUDA build (``mooncake-transfer-engine``,
+    not ``mooncake-transfer-engine-non-cuda``, whose transports take every address for host
+    memory)."""
+    dists = _dists()
+    return bool(dists) and not any("non-cuda" in d or "non_cuda" in d for d in dists)
 
 
 def import_engine() -> Any:
@@ -109,6 +123,18 @@ class MooncakeEngine:
                 "could not be registered (memlock limits? try a smaller memory_pool_size)"
             )
 
+    def register_device(self, addr: int, size: int, device: str) -> None:
+        """Register memory of a torch ``device``: host memory as :meth:`register`; GPU
+        memory (a CUDA KV cache) only with a CUDA build, whose transports move device
+        memory (its TCP transport through a host bounce buffer, RDMA by GPUDirect). Not
+        run on a GPU in this project yet."""
+        if not device.startswith("cpu") and not cuda_build():
+            raise KVTransferError(
+                f"the installed Mooncake build ({', '.join(_dists()) or '?'}) cannot move "
+                f"{device} memory: install mooncake-transfer-engine (the CUDA build)"
+            )
+        self.register(addr, size)
+
     def unregister(self, addr: int) -> None:
         self.engine.unregister_memory(addr)
 
@@ -134,32 +160,11 @@ class MooncakeEngine:
         self.engine = None  # the binding has no explicit shutdown; dropping it stops its threads
 
 
-class MooncakeTransferEngineConnector(PullTransferConnector):
-    """Omni connector over the Mooncake Transfer Engine with a managed, registered pool."""
+class MooncakeTransferEngineConnector(CacheRegionConnector):
+    """Omni connector over the Mooncake Transfer Engine with a managed, registered pool
+    (and with ``register_cache``, the KV cache registered too)."""
 
     backend_name = "mooncake_te"
-
-    def __init__(self, config: dict[str, Any] | None = None) -> None:
-        super().__init__(config)
-        flag = self.config.get("register_cache", False)
-        if isinstance(flag, str) and flag.lower() in ("true", "false", "1", "0"):
-            flag = flag.lower() in ("true", "1")
-        if not isinstance(flag, bool):
-            self.close()
-            raise ConfigError(f"register_cache must be true or false, got {flag!r}")
-        if flag:
-            self.cache_region = TECacheRegion(self)
-            pages = self.config.get("verify_pages", False)
-            if not isinstance(pages, bool):
-                self.close()
-                raise ConfigError(f"verify_pages must be true or false, got {pages!r}")
-            self.cache_region.digests = pages
-
-    def close(self) -> None:
-        """Unregister the KV cache (``register_cache``), then close the connector."""
-        if self.cache_region is not None and not self._closed:
-            self.cache_region.close()
-        super().close()
 
     def _make_engine(self) -> EngineAdapter:
         cfg = self.config
@@ -210,3 +215,11 @@ def selftest() -> dict[str, Any]:
             conn.close()
     except Exception as e:
         return {"ok": False, "detail": f"{type(e).__name__}: {e}"}
+
+
+def cache_selftest() -> dict[str, Any]:
+    """``register_cache``: pages of one connector's registered cache pulled by another
+    (two engines of this process, TCP on 127.0.0.1)."""
+    from vllm_omni_kv.backends.transfer_engine.selftest import cache_round_trip
+
+    return cache_round_trip(MooncakeTransferEngineConnector, protocol="tcp")

@@ -37,7 +37,10 @@ CANCEL_POLL_S = 0.001
 
 
 class EngineAdapter(Protocol):
-    """The few engine operations the connector needs."""
+    """The few engine operations the connector needs. Optional, where the engine has
+    them: ``read_many(session, reads)`` (``(local, remote, bytes)`` reads as one batched
+    transfer) and ``register_device(addr, size, device)`` (memory of a torch device,
+    e.g. a CUDA KV cache; :mod:`.cache_region`)."""
 
     session: str  # "host:rpc_port" that peers pass as target_hostname
 
