@@ -198,8 +198,7 @@ def copy_pages(
     stream = bool(src) and len(pairs) * sum(_page_bytes(p) for p in src) >= STREAM_MIN_BYTES
     moved = 0
     for layer, (sp, dp) in enumerate(zip(src, dst, strict=True)):
-        esize = sp.element_size()
-        per = sp[0].numel() * esize
+        esize, per = sp.element_size(), _page_bytes(sp)
         s_stride, d_stride = sp.stride(0) * esize, dp.stride(0) * dp.element_size()
         host = dense_pages(sp) and dense_pages(dp) and s_stride >= per
         if host and sums is None and d_stride >= per:  # the common case: one native call
@@ -222,11 +221,11 @@ def copy_pages(
                         k * per,
                     )
                     if sums is not None:
-                        _verify(dp, d0 + j, k, sums[layer], first + i0 + j, layer)
+                        check_pages(dp, d0 + j, k, sums[layer], first + i0 + j, layer)
             else:
                 dp[d0 : d0 + n].copy_(sp[s0 : s0 + n], non_blocking=True)
                 if sums is not None:
-                    _verify(dp, d0, n, sums[layer], first + i0, layer)
+                    check_pages(dp, d0, n, sums[layer], first + i0, layer)
             moved += n * per
     return moved
 
@@ -235,10 +234,23 @@ def _page_bytes(pv: torch.Tensor) -> int:
     return int(pv[0].numel()) * pv.element_size()
 
 
-def _verify(dp: torch.Tensor, d0: int, n: int, sums: list[int], p0: int, layer: int) -> None:
-    for j, got in enumerate(_page_digests(dp, range(d0, d0 + n))):
+def check_pages(
+    dp: torch.Tensor,
+    d0: int,
+    n: int,
+    sums: list[int],
+    p0: int,
+    layer: int,
+    what: str = "shared-pages payload",
+) -> None:
+    """Verify pages ``d0..d0+n`` of the page view ``dp`` against payload pages ``p0..``
+    of ``sums`` (hashed in place on the host; device pages are copied to the host first);
+    ``KVPayloadError`` naming ``what``, the layer and the page on a mismatch."""
+    pages = dp if dp.device.type == "cpu" else dp[d0 : d0 + n].cpu()
+    ids = range(d0, d0 + n) if dp.device.type == "cpu" else range(n)
+    for j, got in enumerate(_page_digests(pages, ids)):
         if got != sums[p0 + j]:
             raise KVPayloadError(
-                f"shared-pages payload: layer {layer} page {p0 + j} does not match the "
-                "producer's digest (its block was rewritten while being read)"
+                f"{what}: layer {layer} page {p0 + j} does not match the producer's digest "
+                "(its block was rewritten while being read)"
             )

@@ -23,7 +23,7 @@ from vllm_omni_kv.backends.pool import ManagedBuffer
 from vllm_omni_kv.backends.transfer_engine.pull_stream import when_reads_end
 from vllm_omni_kv.errors import KVPayloadError
 from vllm_omni_kv.kvcache.cache_layout import dense_pages
-from vllm_omni_kv.kvcache.shared_pages import page_runs, page_sums
+from vllm_omni_kv.kvcache.shared_pages import check_pages, page_runs
 from vllm_omni_kv.logger import init_logger
 
 if TYPE_CHECKING:
@@ -51,19 +51,6 @@ def _direct_reads(
     if s_stride == per == d_stride:
         return [(local, remote, n * per)]
     return [(local + j * d_stride, remote + j * s_stride, per) for j in range(n)]
-
-
-def _check_digests(dp: torch.Tensor, d0: int, n: int, sums: list[int], p0: int, layer: int) -> None:
-    """Verify pages ``d0..d0+n`` of the page view ``dp`` against payload pages ``p0..``
-    (hashed in place on the host; a device cache's pages are copied to the host first)."""
-    pages = dp[d0 : d0 + n]
-    got = page_sums([pages if pages.device.type == "cpu" else pages.cpu()], range(n))[0]
-    for j, digest in enumerate(got):
-        if digest != sums[p0 + j]:
-            raise KVPayloadError(
-                f"registered-cache pull: layer {layer} page {p0 + j} does not match the "
-                "producer's digest (its block was rewritten while being read)"
-            )
 
 
 class PagePull:
@@ -120,7 +107,7 @@ class PagePull:
         for i in range(0, len(batch), BATCH_READS):  # bounded batches (one is refused whole)
             self._read(batch[i : i + BATCH_READS], dst_pages)
         for check in checks:  # once every batch is in
-            _check_digests(*check)
+            check_pages(*check, what="registered-cache pull")
         return moved
 
     def _staged(
@@ -151,7 +138,7 @@ class PagePull:
                     )
                 staged = buf.tensor[: k * per].view(dp.dtype).view(k, *dp.shape[1:])
                 if sums is not None:  # in the pool block (the destination may be strided)
-                    _check_digests(staged, 0, k, sums[layer], p0 + j, layer)
+                    check_pages(staged, 0, k, sums[layer], p0 + j, layer, "registered-cache pull")
                 dp[d0 + j : d0 + j + k].copy_(staged)
             finally:
                 self._release_after(buf)
