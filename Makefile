@@ -31,7 +31,12 @@ typecheck: env
 pytest: env
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
-test: lint typecheck pytest
+# The documentation site (mkdocs.yml, docs/) into build/site; --strict: a broken link fails.
+.PHONY: docs
+docs: env
+	$(VENV)/bin/mkdocs build --strict -d build/site
+
+test: lint typecheck docs pytest
 
 doctor: env
 	$(VENV)/bin/vllm-omni-kv doctor --selftest

@@ -9,7 +9,7 @@ KV shape and method as ``transfer_bench.py`` (8 layers x 8 KV heads x head 128, 
 CPU paged layout allocated inside ``get_mem_pool_context`` as vLLM does, block size 32,
 shuffled block ids). The producer process creates a hold and puts the ``describe_request``
 payload per move, as ``connector/worker.py`` does; the consumer process (its own cache in its
-own region) times ``open_stream`` -> ``SharedCopy.apply`` -> close, each move against a
+own region) times ``open_stream`` -> ``SharedPagesPlan.apply`` -> close, each move against a
 memcpy (``memmove`` between pre-faulted buffers) run just before it. The producer adds page
 digests only for the ``verify`` row (``verify_pages``); the default rows carry none, as by
 default. A ``fallback`` row runs the same move without the native page copy (the Python
@@ -40,7 +40,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from transfer_bench import _row, shm_move  # noqa: E402
 
 from vllm_omni_kv.backends.shm.connector import SharedMemoryConnector  # noqa: E402
-from vllm_omni_kv.connector.shared_sends import SharedCopy  # noqa: E402
 from vllm_omni_kv.kvcache import page_copy  # noqa: E402
 from vllm_omni_kv.kvcache.cache_layout import KVLayoutId, page_view  # noqa: E402
 from vllm_omni_kv.kvcache.shared_pages import (  # noqa: E402
@@ -50,6 +49,7 @@ from vllm_omni_kv.kvcache.shared_pages import (  # noqa: E402
     layer_geometry,
     page_sums,
 )
+from vllm_omni_kv.kvcache.shared_pages_plan import SharedPagesPlan  # noqa: E402
 
 LAYERS, HEADS, DIM, BS = 8, 8, 128, 32
 DTYPE = torch.bfloat16
@@ -246,7 +246,7 @@ class _Consumer:
             return None
         with stream, _native_copy(mode != FALLBACK):
             obj = stream.obj
-            plan = SharedCopy(obj, region, caches, IDENT, self.dst_ids, 0, verify)
+            plan = SharedPagesPlan(obj, region, caches, IDENT, self.dst_ids, 0, verify)
             tokens, moved = plan.apply(stream, time.monotonic() + 60), plan.moved
             t_copied = time.perf_counter()
         t1 = time.perf_counter()
@@ -260,7 +260,7 @@ class _Consumer:
             for sp, dp in zip(_producer_layers(region, obj), caches, strict=True):
                 if not torch.equal(sp[src_ids], dp[self.dst_ids]):
                     raise RuntimeError(f"{key}: copied pages differ from the producer's")
-        phases = {"open_stream": t_open - t0, "SharedCopy + apply": t_copied - t_open}
+        phases = {"open_stream": t_open - t0, "SharedPagesPlan.apply": t_copied - t_open}
         phases["close"] = t1 - t_copied
         return t1 - t0, phases
 

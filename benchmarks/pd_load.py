@@ -17,7 +17,7 @@ request and output-token throughput and failed requests. Each configuration's ge
 texts are compared with colocated's (same prompts, greedy).
 
     python benchmarks/pd_load.py            # writes benchmarks/results/pd_load.{json,png}
-    python benchmarks/pd_load.py --table    # the README table from that JSON
+    python benchmarks/pd_load.py --table    # the table of docs/benchmarks.md from that JSON
 """
 
 from __future__ import annotations
@@ -358,7 +358,7 @@ def _fmt_ms(v: float | None) -> str:
 
 
 def table(report: dict[str, Any]) -> str:
-    """The README's Markdown table of a ``pd_load.json`` report."""
+    """The Markdown table of a ``pd_load.json`` report, as docs/benchmarks.md shows it."""
     w = report["workload"]
     head = (
         f"{w['num_prompts']} requests, concurrency {w['concurrency']}, random dataset "

@@ -54,7 +54,7 @@ def test_gpu_copy_bench_runs_its_paths_on_the_host(tmp_path: Path) -> None:
 
 
 def test_pd_load_table_and_ratios_come_from_the_json() -> None:
-    """``pd_load.py``: ratios against colocated, colocated-equal texts and the README table
+    """``pd_load.py``: ratios against colocated, colocated-equal texts and the docs table
     (a configuration that could not run shows its recorded reason)."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
@@ -115,7 +115,7 @@ def test_one_copy_bench_quick_run_writes_json_and_plot(tmp_path: Path) -> None:
             assert 0 < r["fraction_of_memcpy"] < 3 and r["seconds"] < 1.0, r
             assert len(r["fraction_samples"]) >= 1
         verify = mine["one-copy move (share_cache), verify"]
-        assert verify["phases_s"]["SharedCopy + apply"] <= verify["seconds"]
+        assert verify["phases_s"]["SharedPagesPlan.apply"] <= verify["seconds"]
         # adding the producer's time (hold, digests, put) can only lower the ratio
         assert 0 < verify["end_to_end_fraction_of_memcpy"] < verify["fraction_of_memcpy"]
         assert mine["profile"]["steps_s"]["copy_pages, verify"] > 0

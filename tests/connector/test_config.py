@@ -40,7 +40,8 @@ def test_backend_mapping_and_settings() -> None:
 @pytest.mark.parametrize(
     ("raw", "field"),
     [
-        ({"recv_timout": 3}, "unknown field(s) ['recv_timout']"),
+        ({"recv_timout": 3}, "unknown key 'recv_timout'; did you mean 'recv_timeout'? Valid"),
+        ({"ttl": 3}, "unknown key 'ttl'. Valid keys: auth_key_file, backend, backend_extra,"),
         ({"recv_timeout": 0}, "recv_timeout must be a number of seconds > 0"),
         ({"recv_timeout": "soon"}, "recv_timeout must be a number of seconds > 0"),
         ({"recv_timeout": True}, "recv_timeout"),
@@ -54,6 +55,8 @@ def test_backend_mapping_and_settings() -> None:
         ({"poll_interval": 0.5, "max_poll_interval": 0.1}, "max_poll_interval (0.1) must be >="),
         ({"remote_port": 70000}, "remote_port must be in [0, 65535]"),
         ({"transfer_format": "zip"}, "transfer_format must be one of"),
+        ({"transfer_format": "raw_blocks"}, "transfer_format must be one of"),  # no alias
+        ({"backend": {"name": "shm", "extra": [1]}}, "backend.extra must be a mapping"),
         ({"transfer_cpus": "3-1"}, "transfer_cpus must be 'auto', 'inherit' or a CPU list"),
         ({"transfer_cpus": [0, 1]}, "transfer_cpus must be 'auto', 'inherit' or a CPU list"),
         ({"omni_transfer_config": 5}, "omni_transfer_config: expected a file path or a mapping"),
@@ -206,7 +209,10 @@ def test_two_default_senders_on_one_host_bind_distinct_ports() -> None:
     try:
         b = MooncakeTransferEngineConnector(dict(extra))
         try:
-            ends = [worker_handshake(a), worker_handshake(b)]
+            ends = [
+                worker_handshake(a.side_channel_endpoint()),
+                worker_handshake(b.side_channel_endpoint()),
+            ]
             assert all(e is not None and e.port > 0 for e in ends), ends
             assert ends[0] != ends[1]
         finally:

@@ -1,4 +1,4 @@
-"""Payload leases: a producer's timer withdraws unconsumed payloads after ``send_ttl``
+"""Payload leases (:mod:`vllm_omni_kv.connector.handoff`): a producer's timer withdraws unconsumed payloads after ``send_ttl``
 (no engine step needed), and a waiting consumer extends them (real /dev/shm, real
 processes, real Mooncake TE over loopback)."""
 
@@ -18,8 +18,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from vllm_omni_kv import KVCacheTransferData, SharedMemoryConnector
 from vllm_omni_kv.backends.shm import arena as shm_arena
 from vllm_omni_kv.backends.shm.connector import index_name
+from vllm_omni_kv.connector.handoff import ProducerHandoffs, extend_every
 from vllm_omni_kv.connector.omni_kv_connector import OmniKVConnector
-from vllm_omni_kv.connector.send_leases import SendLeases, extend_every, extend_payload
 from vllm_omni_kv.connector.stats import OmniKVConnectorStats
 from vllm_omni_kv.transfer.session import SessionPolicy, TransferSession
 
@@ -58,22 +58,22 @@ def ns(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-def shm_producer(ns: str) -> Iterator[tuple[TransferSession, SendLeases]]:
+def shm_producer(ns: str) -> Iterator[tuple[TransferSession, ProducerHandoffs]]:
     conn = SharedMemoryConnector({"namespace": ns})
     session = TransferSession(conn, "0", "1", SessionPolicy())
-    leases = SendLeases(session, TTL)
+    leases = ProducerHandoffs(session, TTL)
     yield session, leases
     leases.close()
     conn.close()
 
 
-def _send(session: TransferSession, leases: SendLeases, key: str, seed: int) -> None:
-    session.send(key, _payload(seed))
-    leases.add(key, 1)
+def _send(session: TransferSession, leases: ProducerHandoffs, key: str, seed: int) -> None:
+    _n, parts = session.publish(key, _payload(seed))
+    leases.published(f"req-{key}", key, parts=parts)
 
 
 def test_idle_producer_withdraws_an_unconsumed_payload_after_send_ttl(
-    ns: str, shm_producer: tuple[TransferSession, SendLeases]
+    ns: str, shm_producer: tuple[TransferSession, ProducerHandoffs]
 ) -> None:
     session, leases = shm_producer
     _send(session, leases, "k", 1)
@@ -82,13 +82,13 @@ def test_idle_producer_withdraws_an_unconsumed_payload_after_send_ttl(
     # nothing else happens in this process: only the lease thread can withdraw it
     assert _until(lambda: leases.expired == 1)
     assert idx not in shm_arena.namespace_files(ns) and len(leases) == 0
-    assert session.backend.health()["unconsumed"] == 0
+    assert session.held_payloads()[0] == 0
     with SharedMemoryConnector({"namespace": ns}) as rx:
         assert rx.get("0", "1", "k") is None  # the consumer finds nothing: it recomputes
 
 
 def test_consumed_payload_is_not_counted_as_expired(
-    ns: str, shm_producer: tuple[TransferSession, SendLeases]
+    ns: str, shm_producer: tuple[TransferSession, ProducerHandoffs]
 ) -> None:
     session, leases = shm_producer
     _send(session, leases, "k", 2)
@@ -111,7 +111,7 @@ def _extend_then_load(ns: str, key: str, hold_s: float, ready: Any, go: Any, q: 
         end = time.monotonic() + hold_s
         extended = 0
         while time.monotonic() < end:
-            extended += extend_payload(session, key, None, TTL)
+            extended += session.extend(key, None, TTL)
             time.sleep(extend_every(TTL))
         got = conn.get("0", "1", key)
         ok = got is not None and _same(got[0], _payload(3))
@@ -122,7 +122,7 @@ def _extend_then_load(ns: str, key: str, hold_s: float, ready: Any, go: Any, q: 
 
 
 def test_a_waiting_consumer_keeps_the_payload_alive_beyond_send_ttl(
-    ns: str, shm_producer: tuple[TransferSession, SendLeases]
+    ns: str, shm_producer: tuple[TransferSession, ProducerHandoffs]
 ) -> None:
     session, leases = shm_producer
     ready, go, q = CTX.Event(), CTX.Event(), CTX.Queue()
@@ -141,18 +141,18 @@ def test_a_waiting_consumer_keeps_the_payload_alive_beyond_send_ttl(
 
 
 def test_extension_stops_and_the_lease_runs_out(
-    ns: str, shm_producer: tuple[TransferSession, SendLeases]
+    ns: str, shm_producer: tuple[TransferSession, ProducerHandoffs]
 ) -> None:
     session, leases = shm_producer
     _send(session, leases, "k", 4)
     with SharedMemoryConnector({"namespace": ns}) as rx:
         rx_session = TransferSession(rx, "0", "1", SessionPolicy())
-        assert extend_payload(rx_session, "k", None, 2 * TTL) == 1
-        held = session.backend.held_until("0", "1", "k")
+        assert rx_session.extend("k", None, 2 * TTL) == 1
+        held = session.lease_until("k")
         assert held is not None and held > time.monotonic() + TTL  # the producer sees it
         assert _until(lambda: leases.expired == 1)  # ... and expires it once it ran out
         assert rx.get("0", "1", "k") is None
-        assert extend_payload(rx_session, "k", None, TTL) == 0  # nothing left to extend
+        assert rx_session.extend("k", None, TTL) == 0  # nothing left to extend
 
 
 def test_shm_ttl_seconds_respects_an_extension(ns: str) -> None:
@@ -228,21 +228,21 @@ def _te(role: str, **over: Any) -> Any:
 def test_mooncake_te_extend_keeps_the_block_and_is_bounded_by_buffer_ttl() -> None:
     tx = _te("sender", buffer_ttl_s=2.0)
     rx = _te("receiver")
-    leases: SendLeases | None = None
+    leases: ProducerHandoffs | None = None
     try:
         session = TransferSession(tx, "0", "1", SessionPolicy(max_part_bytes=0))
-        leases = SendLeases(session, TTL)
+        leases = ProducerHandoffs(session, TTL)
         _send(session, leases, "k", 8)
         ep = {"source_host": "127.0.0.1", "source_port": tx.zmq_port}
         rx_session = TransferSession(rx, "0", "1", SessionPolicy())
         # an absurd request is capped at buffer_ttl_s; a non-finite one is refused
-        assert extend_payload(rx_session, "k", ep, 1e9) == 1
+        assert rx_session.extend("k", ep, 1e9) == 1
         held = tx.held_until("0", "1", "k")
         assert held is not None and held <= time.monotonic() + 2.0
         assert not rx.extend("0", "1", "k", float("inf"), ep)
         end = time.monotonic() + 4 * TTL
         while time.monotonic() < end:  # the consumer waits, extending
-            assert extend_payload(rx_session, "k", ep, TTL) == 1
+            assert rx_session.extend("k", ep, TTL) == 1
             time.sleep(extend_every(TTL))
         got = rx.get("0", "1", "k", ep)
         assert got is not None and _same(got[0], _payload(8))

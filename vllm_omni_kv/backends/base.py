@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, ClassVar
 
 from vllm_omni_kv.backends.cache_region import CacheRegion
 from vllm_omni_kv.closing import Closing
@@ -25,11 +25,17 @@ class OmniConnectorBase(Closing, ABC):
     :mod:`vllm_omni_kv.wire.codec` (never pickle).
     """
 
+    #: the settings this backend reads from its config (``backend_extra``); any other key
+    #: fails at start (:meth:`~vllm_omni_kv.backends.factory.OmniConnectorFactory.check_config`).
+    #: None: not declared, every key accepted
+    CONFIG_KEYS: ClassVar[frozenset[str] | None] = None
     #: True when ``open_stream`` can hand over a frame while it is still being written.
     supports_streaming: bool = False
     #: the producer's KV cache, exported for consumers to copy pages out of (None: the
     #: backend moves packed frames only); see :mod:`vllm_omni_kv.backends.cache_region`
     cache_region: CacheRegion | None = None
+    #: whether a receiver checks every frame's chunk digests (a backend setting)
+    verify: bool = True
 
     _closed: bool = False
 
@@ -112,6 +118,15 @@ class OmniConnectorBase(Closing, ABC):
         to (``0.0`` when never extended).
         """
         return None
+
+    def side_channel_endpoint(self) -> tuple[str, int] | None:
+        """Producer: the ``(host, port)`` its side channel listens on, which consumers
+        address; None for a backend without one (shared memory, stores, receivers)."""
+        return None
+
+    def held_payloads(self) -> tuple[int, int]:
+        """``(payloads, bytes)`` this process published and still holds unconsumed."""
+        return 0, 0
 
     @abstractmethod
     def cleanup(self, request_id: str) -> None:

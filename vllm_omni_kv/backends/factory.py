@@ -1,4 +1,10 @@
-"""Registry of omni-connector backends, keyed by name."""
+"""Registry of omni-connector backends, keyed by name, and the check of their settings.
+
+Every built-in backend class declares the settings it reads as ``CONFIG_KEYS``;
+:meth:`OmniConnectorFactory.check_config` rejects any other key (a typo such as
+``share_cahce`` fails instead of silently meaning the default), naming the nearest valid
+one. A registered constructor without ``CONFIG_KEYS`` takes any key.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_omni_kv.backends.base import OmniConnectorBase
-from vllm_omni_kv.backends.spec import ConnectorSpec
+from vllm_omni_kv.backends.spec import ConnectorSpec, check_keys
 from vllm_omni_kv.errors import ConfigError
 
 Constructor = Callable[[dict[str, Any]], OmniConnectorBase]
@@ -69,19 +75,33 @@ _ROLES_ABLE: dict[str, tuple[str, ...]] = {
 }
 
 
-def _lazy(module: str, cls: str) -> Constructor:
-    def construct(config: dict[str, Any]) -> OmniConnectorBase:
-        klass = getattr(importlib.import_module(module), cls)
+#: keys the vLLM connector or a vllm-omni stage config adds to any backend's settings,
+#: accepted by every backend: ``local_rank`` (the worker's TP rank), ``role`` (vllm-omni
+#: names one for every connector; only the role backends read it), ``auth_key`` (the
+#: loaded shared secret of ``auth_key_file``)
+INJECTED_KEYS: frozenset[str] = frozenset({"local_rank", "role", "auth_key"})
+
+
+class _Lazy:
+    """Constructor of a built-in backend; its module is imported on first use."""
+
+    def __init__(self, module: str, cls: str) -> None:
+        self.module, self.cls = module, cls
+
+    def backend_class(self) -> type[OmniConnectorBase]:
+        klass: type[OmniConnectorBase] = getattr(importlib.import_module(self.module), self.cls)
+        return klass
+
+    def __call__(self, config: dict[str, Any]) -> OmniConnectorBase:
+        klass: Any = self.backend_class()  # every backend class takes its config
         instance: OmniConnectorBase = klass(config)
         return instance
-
-    return construct
 
 
 class OmniConnectorFactory:
     """Factory for creating omni connectors by registered name."""
 
-    _registry: dict[str, Constructor] = {n: _lazy(m, c) for n, (m, c) in _BUILTIN.items()}
+    _registry: dict[str, Constructor] = {n: _Lazy(m, c) for n, (m, c) in _BUILTIN.items()}
     _lock = threading.Lock()
 
     @classmethod
@@ -108,7 +128,25 @@ class OmniConnectorFactory:
                 f"unknown omni connector {spec.name!r}; registered connectors: {known} "
                 f"(aliases: {', '.join(sorted(ALIASES))})"
             )
+        cls.check_config(spec, f"omni connector {spec.name!r} extra")
         return ctor(dict(spec.extra))
+
+    @classmethod
+    def config_keys(cls, name: str) -> frozenset[str] | None:
+        """The settings backend ``name`` (or an alias) reads: its class's ``CONFIG_KEYS``
+        (without :data:`INJECTED_KEYS`); None for an unknown name or an undeclared set."""
+        ctor = cls._registry.get(cls.resolve_name(name))
+        owner = ctor.backend_class() if isinstance(ctor, _Lazy) else ctor
+        keys = getattr(owner, "CONFIG_KEYS", None)
+        return keys if isinstance(keys, frozenset) else None
+
+    @classmethod
+    def check_config(cls, spec: ConnectorSpec, where: str) -> None:
+        """Raise :class:`ConfigError` (prefixed ``where``) for a key of ``spec.extra``
+        that its backend does not read, naming the nearest valid key."""
+        keys = cls.config_keys(spec.name)
+        if keys is not None:
+            check_keys(spec.extra, keys | INJECTED_KEYS, where, f" for backend {spec.name}", keys)
 
     @classmethod
     def list_registered_connectors(cls) -> list[str]:

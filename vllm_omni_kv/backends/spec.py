@@ -12,16 +12,42 @@ File/dict schema (YAML or JSON)::
         extra: {protocol: tcp, memory_pool_size: 268435456}
 
 ``connectors`` may also be a mapping ``{"0->1": {name: ..., extra: ...}}``.
+Each spec's ``extra`` is checked against the keys its backend reads when the backend is
+resolved (:meth:`~vllm_omni_kv.backends.factory.OmniConnectorFactory.check_config`).
 """
 
 from __future__ import annotations
 
+import difflib
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from vllm_omni_kv.errors import ConfigError
+
+
+def check_keys(
+    given: Iterable[Any],
+    valid: frozenset[str],
+    where: str,
+    what: str = "",
+    shown: Iterable[str] = (),
+) -> None:
+    """Raise :class:`ConfigError` for keys of ``given`` outside ``valid``, naming the
+    nearest valid key of each (``difflib``) and listing ``shown`` (default ``valid``)."""
+    unknown = sorted((k for k in given if k not in valid), key=str)
+    if not unknown:
+        return
+    choices = sorted(shown or valid)
+    hints = []
+    for key in unknown:
+        near = difflib.get_close_matches(str(key), choices, n=1)
+        hints.append(
+            f"unknown key {key!r}{what}" + (f"; did you mean {near[0]!r}?" if near else ".")
+        )
+    raise ConfigError(f"{where}: {' '.join(hints)} Valid keys: {', '.join(choices)}")
 
 
 @dataclass

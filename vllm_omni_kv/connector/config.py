@@ -2,11 +2,13 @@
 
 Every field is checked when the connector is constructed (engine start), so a
 typo or a bad value fails there with a message naming the field, never at the
-first request. Accepted fields::
+first request; an unknown key, here or in the backend's settings, names the
+nearest valid one. Accepted fields::
 
     backend              "shm" (default), "mooncake", any registered backend name or
                          alias, or {"name": ..., "extra": {...}}
-    backend_extra        settings passed to the backend (mapping)
+    backend_extra        settings passed to the backend (mapping); the keys each backend
+                         reads are its class's CONFIG_KEYS, any other key fails
     omni_transfer_config path to a YAML/JSON omni transfer config, or the mapping
                          itself; its spec for the edge omni_from_stage -> omni_to_stage
                          replaces ``backend``/``backend_extra``
@@ -20,13 +22,14 @@ first request. Accepted fields::
                          in kv_transfer_params, else this engine's TP size)
     target_tp_size       consumer TP size (default: this engine's TP size)
     load_threads         background threads receiving payloads (default 2)
-    send_ttl             seconds a producer keeps an unconsumed payload (default 300)
+    send_ttl             seconds a producer keeps an unconsumed payload (default 300): the
+                         payload's lease, see "Payload lifetime" below
     remote_host          host advertised to consumers (default: backend "host" or 127.0.0.1)
     remote_port          port advertised to consumers (default: backend "zmq_port", else the
                          port the producer's side channel bound, learned at engine start)
     transfer_format      "auto" (default: each layer's blocks as the cache holds them when
                          producer and consumer TP sizes match, else token-major K/V),
-                         "paged_blocks" (alias: "raw_blocks") or "token_major"
+                         "paged_blocks" or "token_major"
     max_part_bytes       payloads above this travel as layer-wise parts (0: never; default:
                          one frame over shared memory, 8 MiB parts over other backends)
     staging_bytes        device memory a producer with a CUDA cache may hold for staging a
@@ -49,6 +52,16 @@ first request. Accepted fields::
                          messages carry keyed BLAKE2b MACs, and payloads or requests without
                          a valid MAC are refused. Default: the file named by the environment
                          variable OMNIKV_AUTH_KEY_FILE, else none (peers not authenticated)
+
+Payload lifetime: ``send_ttl`` is the one lease to set. A producer withdraws a payload no
+consumer took ``send_ttl`` seconds after sending it; a consumer still waiting for it extends
+that lease by ``send_ttl`` every ``min(5, send_ttl / 3)`` seconds. Two backends keep a TTL of
+their own on the buffers behind a payload, a backstop for a producer that stops tending its
+leases: shm ``ttl_seconds`` (default 600; the producer removes older unconsumed entries and
+caps a consumer's extension at it) and the pull backends' (mooncake, nixl, yuanrong_te)
+``buffer_ttl_s`` (default 300; a pool buffer nobody pulled is freed, each extension capped
+at it). The shorter of ``send_ttl`` and the backend TTL wins: keep the backend TTL at or
+above ``send_ttl``.
 """
 
 from __future__ import annotations
@@ -60,7 +73,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_omni_kv.backends.factory import OmniConnectorFactory, with_role_for
-from vllm_omni_kv.backends.spec import ConnectorSpec, load_omni_transfer_config
+from vllm_omni_kv.backends.spec import ConnectorSpec, check_keys, load_omni_transfer_config
 from vllm_omni_kv.connector.affinity import parse_cpu_list
 from vllm_omni_kv.errors import ConfigError
 from vllm_omni_kv.kvcache.cache_layout import layout_name
@@ -105,8 +118,6 @@ NETWORK_BACKENDS = frozenset(
     }
 )
 TRANSFER_FORMATS = ("auto", "paged_blocks", "token_major")
-#: compatibility alias: the name ``paged_blocks`` had before 0.2
-FORMAT_ALIASES = {"raw_blocks": "paged_blocks"}
 
 _WHERE = "kv_connector_extra_config"
 
@@ -271,43 +282,53 @@ def _backend_spec(
     raw: Mapping[str, Any], from_stage: str, to_stage: str, kv_role: str | None = None
 ) -> ConnectorSpec:
     """The backend of the edge; a Mooncake/Yuanrong TE ``role`` left out follows ``kv_role``."""
+    spec = _edge_backend(raw, from_stage, to_stage)
     try:
-        return with_role_for(_edge_backend(raw, from_stage, to_stage), kv_role)
+        return with_role_for(spec, kv_role)
     except ConfigError as e:
         raise ConfigError(f"{_WHERE}.backend_extra.role: {e}") from None
 
 
 def _edge_backend(raw: Mapping[str, Any], from_stage: str, to_stage: str) -> ConnectorSpec:
     if raw.get("omni_transfer_config") is not None:
-        src = raw["omni_transfer_config"]
-        try:
-            if isinstance(src, Mapping):
-                cfg = load_omni_transfer_config(config_dict=dict(src))
-            elif isinstance(src, str):
-                cfg = load_omni_transfer_config(config_path=src)
-            else:
-                raise ConfigError(f"expected a file path or a mapping, got {type(src).__name__}")
-        except ConfigError as e:
-            raise ConfigError(f"{_WHERE}.omni_transfer_config: {e}") from None
-        spec = cfg.get_connector_for_edge(from_stage, to_stage) if cfg else None
-        if spec is None:
-            raise ConfigError(
-                f"{_WHERE}.omni_transfer_config has no connector for the edge "
-                f"{from_stage!r} -> {to_stage!r} and no default_connector; add one of them"
-            )
-        return ConnectorSpec(spec.name, dict(spec.extra))
+        return _transfer_config_backend(raw["omni_transfer_config"], from_stage, to_stage)
     backend = raw.get("backend", "shm")
-    extra = raw.get("backend_extra", {})
+    extra = raw.get("backend_extra")
+    extra = {} if extra is None else extra
+    inner: Any = {}
     if isinstance(backend, Mapping):
         if "name" not in backend:
             raise ConfigError(f"{_WHERE}.backend.name is missing (e.g. 'shm' or 'mooncake')")
-        extra = {**dict(backend.get("extra") or {}), **dict(extra or {})}
+        inner = backend.get("extra") or {}
         backend = backend["name"]
     if not isinstance(backend, str) or not backend:
         raise ConfigError(f"{_WHERE}.backend must be a backend name like 'shm', got {backend!r}")
-    if not isinstance(extra, Mapping):
-        raise ConfigError(f"{_WHERE}.backend_extra must be a mapping, got {type(extra).__name__}")
-    return ConnectorSpec(backend, dict(extra))
+    for name, given in (("backend.extra", inner), ("backend_extra", extra)):
+        if not isinstance(given, Mapping):
+            raise ConfigError(f"{_WHERE}.{name} must be a mapping, got {type(given).__name__}")
+        OmniConnectorFactory.check_config(ConnectorSpec(backend, dict(given)), f"{_WHERE}.{name}")
+    return ConnectorSpec(backend, {**inner, **extra})
+
+
+def _transfer_config_backend(src: Any, from_stage: str, to_stage: str) -> ConnectorSpec:
+    try:
+        if isinstance(src, Mapping):
+            cfg = load_omni_transfer_config(config_dict=dict(src))
+        elif isinstance(src, str):
+            cfg = load_omni_transfer_config(config_path=src)
+        else:
+            raise ConfigError(f"expected a file path or a mapping, got {type(src).__name__}")
+    except ConfigError as e:
+        raise ConfigError(f"{_WHERE}.omni_transfer_config: {e}") from None
+    spec = cfg.get_connector_for_edge(from_stage, to_stage) if cfg else None
+    if spec is None:
+        raise ConfigError(
+            f"{_WHERE}.omni_transfer_config has no connector for the edge "
+            f"{from_stage!r} -> {to_stage!r} and no default_connector; add one of them"
+        )
+    where = f"{_WHERE}.omni_transfer_config (edge {from_stage!r} -> {to_stage!r})"
+    OmniConnectorFactory.check_config(spec, where)
+    return ConnectorSpec(spec.name, dict(spec.extra))
 
 
 def parse_omni_kv_config(raw: Mapping[str, Any] | None, kv_role: str | None = None) -> OmniKVConfig:
@@ -316,12 +337,7 @@ def parse_omni_kv_config(raw: Mapping[str, Any] | None, kv_role: str | None = No
     ``kv_role``: vLLM's ``kv_role`` (``kv_producer``...), the default backend role.
     """
     raw = dict(raw or {})
-    unknown = sorted(set(raw) - KNOWN_FIELDS)
-    if unknown:
-        raise ConfigError(
-            f"{_WHERE} has unknown field(s) {unknown}; OmniKVConnector accepts "
-            f"{sorted(KNOWN_FIELDS)}"
-        )
+    check_keys(raw, KNOWN_FIELDS, _WHERE)
     from_stage = _stage(raw, "omni_from_stage", "prefill")
     to_stage = _stage(raw, "omni_to_stage", "decode")
     spec = _backend_spec(raw, from_stage, to_stage, kv_role)
@@ -363,7 +379,6 @@ def parse_omni_kv_config(raw: Mapping[str, Any] | None, kv_role: str | None = No
                 f"got {cpus!r} ({e})"
             ) from None
     fmt = raw.get("transfer_format", "auto")
-    fmt = FORMAT_ALIASES.get(fmt, fmt) if isinstance(fmt, str) else fmt
     if fmt not in TRANSFER_FORMATS:
         raise ConfigError(
             f"{_WHERE}.transfer_format must be one of {TRANSFER_FORMATS}, got {fmt!r}"

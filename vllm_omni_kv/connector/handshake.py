@@ -34,13 +34,12 @@ class OmniKVHandshake(KVConnectorHandshakeMetadata):
     port: int
 
 
-def worker_handshake(backend: Any) -> OmniKVHandshake | None:
-    """The endpoint a worker's backend listens on, or None (shared memory, receivers)."""
-    port = getattr(backend, "zmq_port", 0) if getattr(backend, "can_put", False) else 0
-    host = getattr(backend, "host", None)
-    if not isinstance(port, int) or port <= 0 or not isinstance(host, str):
+def worker_handshake(endpoint: tuple[str, int] | None) -> OmniKVHandshake | None:
+    """The handshake of a worker whose backend listens on ``endpoint`` (None: shared
+    memory, stores, receivers)."""
+    if endpoint is None:
         return None
-    return OmniKVHandshake(host=host, port=port)
+    return OmniKVHandshake(host=endpoint[0], port=endpoint[1])
 
 
 def advertise(cfg: OmniKVConfig, metadata: dict[int, Any]) -> OmniKVConfig:

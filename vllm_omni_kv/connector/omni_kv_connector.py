@@ -148,7 +148,7 @@ class OmniKVConnector(KVConnectorBase_V1):
         return self.worker_half.take_invalid_block_ids()
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
-        return worker_handshake(self.worker_half.session.backend)
+        return worker_handshake(self.worker_half.session.endpoint())
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         return self.worker_half.take_worker_meta()

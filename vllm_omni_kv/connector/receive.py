@@ -19,11 +19,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from vllm_omni_kv.backends.cache_region import CacheRegion
 from vllm_omni_kv.connector.compat import COMPAT_KEY, CompatIdentity
 from vllm_omni_kv.connector.engine_layout import EngineLayout
 from vllm_omni_kv.connector.metadata import LoadSpec
-from vllm_omni_kv.connector.shared_sends import SharedCopy
 from vllm_omni_kv.errors import ConfigError, KVPayloadError
 from vllm_omni_kv.kvcache.cache_layout import KVLayoutId, block_kv
 from vllm_omni_kv.kvcache.formats import InjectionPlan, plan_injection
@@ -36,10 +34,10 @@ from vllm_omni_kv.kvcache.kv_utils import (
 from vllm_omni_kv.kvcache.meta import PayloadMeta
 from vllm_omni_kv.kvcache.paged_blocks import blocks_to_tokens, is_block_payload
 from vllm_omni_kv.kvcache.shared_pages import is_shared_payload
+from vllm_omni_kv.kvcache.shared_pages_plan import SharedPagesPlan
 from vllm_omni_kv.kvcache.token_major import inject_request_kv
-from vllm_omni_kv.transfer.parts import part_layer_count
+from vllm_omni_kv.transfer.parts import part_info, part_layer_count
 from vllm_omni_kv.transfer.session import TransferSession
-from vllm_omni_kv.wire.stream import PayloadStream, Span
 
 
 @dataclass
@@ -123,25 +121,6 @@ class Received(NamedTuple):
     write_seconds: float
 
 
-class _Timed:
-    """An injection plan whose ``apply`` time is added to ``seconds[0]``."""
-
-    def __init__(self, plan: InjectionPlan, seconds: list[float]) -> None:
-        self.plan, self.seconds, self.tokens = plan, seconds, plan.tokens
-
-    def spans(self, frame_address: int | None) -> list[Span] | None:
-        return self.plan.spans(frame_address)
-
-    def apply(
-        self, stream: PayloadStream, deadline: float, cancel: threading.Event | None = None
-    ) -> int:
-        t0 = time.perf_counter()
-        try:
-            return self.plan.apply(stream, deadline, cancel)
-        finally:
-            self.seconds[0] += time.perf_counter() - t0
-
-
 _streams = threading.local()
 
 
@@ -167,6 +146,33 @@ def device_writes(device: torch.device | None) -> Iterator[None]:
         stream.synchronize()
 
 
+def _plan(
+    part: dict[str, Any], layers: Sequence[LayerCache], spec: LoadSpec, session: TransferSession
+) -> InjectionPlan:
+    """The injection plan of one received payload (or layer-wise part) into ``layers``."""
+    ident = layers[0].ident
+    start = spec.num_local_tokens
+    if is_shared_payload(part):  # the pages are copied from the producer's cache
+        caches: list[Any] = [x.cache for x in layers]
+        return plan_injection(
+            part,
+            caches,
+            spec.block_ids,
+            start_token=start,
+            layout=ident,
+            pages=session.cache_region,
+            verify=session.verifies_frames,
+        )
+    info = part_info(part)
+    first = 0 if info is None else info[2]
+    blocks = is_block_payload(part)
+    source: list[Any] = [x.cache for x in layers] if blocks else token_caches(layers)
+    local = source[first : first + part_layer_count(part)]
+    return plan_injection(
+        part, local, spec.block_ids, start_token=start, layout=ident if blocks else None
+    )
+
+
 def receive(
     session: TransferSession,
     layers: Sequence[LayerCache],
@@ -176,44 +182,28 @@ def receive(
     deadline: float,
     cancel: threading.Event,
     compat: CompatIdentity | None = None,
-    region: CacheRegion | None = None,
 ) -> Received:
     """Load tokens ``[num_local_tokens, num_prompt_tokens)`` of ``spec``; every payload
     must carry ``compat`` (this engine's compatibility identity) when it is given.
-    ``region``: the backend's cache region, which shared-pages payloads are copied
-    through (straight from the producer's cache)."""
+    One descent: the session hands out each payload's stream, kvcache plans where its
+    bytes go (blocks, tokens, or pages copied from the producer's cache), and the plan
+    is applied here."""
     with device_writes(layers[0].cache.device if layers else None):
-        caches: list[Any] = [x.cache for x in layers]
-        write = [0.0]
-        ident = layers[0].ident if layers else None
-        block_size = ident.block_size if ident else 0
+        block_size = layers[0].ident.block_size if layers else 0
         start = spec.num_local_tokens
         if len(keys) == 1 and not topo.is_heterogeneous:
             key, endpoint = keys[0]
-            shared: list[SharedCopy] = []
-            verify = bool(getattr(session.backend, "verify", True))
-
-            def plan(part: dict[str, Any], layer_start: int) -> InjectionPlan:
-                check_payload(part, spec, block_size, compat)
-                if is_shared_payload(part) and ident is not None:
-                    copy = SharedCopy(
-                        part, region, caches, ident, spec.block_ids, start // block_size, verify
-                    )
-                    shared.append(copy)
-                    return _Timed(copy, write)
-                blocks = is_block_payload(part)
-                local = (caches if blocks else token_caches(layers))[
-                    layer_start : layer_start + part_layer_count(part)
-                ]
-                lay = ident if blocks else None
-                injection = plan_injection(
-                    part, local, spec.block_ids, start_token=start, layout=lay
-                )
-                return _Timed(injection, write)
-
-            _n, moved = session.receive_into(key, endpoint, deadline, plan, cancel)
-            moved += sum(c.moved for c in shared)
-            return Received(spec.num_load_tokens, moved, write[0])
+            moved, write = 0, 0.0
+            for stream in session.open_parts(key, endpoint, deadline, cancel):
+                with stream:
+                    part = stream.obj
+                    check_payload(part, spec, block_size, compat)
+                    plan = _plan(part, layers, spec, session)
+                    t0 = time.perf_counter()
+                    plan.apply(stream, deadline, cancel)
+                    write += time.perf_counter() - t0
+                    moved += stream.moved + (plan.moved if isinstance(plan, SharedPagesPlan) else 0)
+            return Received(spec.num_load_tokens, moved, write)
         payloads, moved = [], 0
         for key, endpoint in keys:
             obj, n = session.fetch(key, endpoint, deadline, cancel)

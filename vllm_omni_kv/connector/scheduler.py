@@ -16,7 +16,7 @@ Protocol (NIXL's, so existing proxies and routers work unchanged):
   the rest itself and tells the producer to release its payload. While such a
   request waits for blocks, the scheduler asks the worker every
   ``extend_every(send_ttl)`` seconds to extend its payload's lease at the producer
-  (see :mod:`.send_leases`), so a long queue does not let it expire.
+  (see :mod:`.handoff`), so a long queue does not let it expire.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from vllm_omni_kv.connector.config import OmniKVConfig
+from vllm_omni_kv.connector.handoff import extend_every
 from vllm_omni_kv.connector.metadata import (
     DiscardSpec,
     LoadSpec,
@@ -34,7 +35,6 @@ from vllm_omni_kv.connector.metadata import (
     prompt_digest,
     transfer_id,
 )
-from vllm_omni_kv.connector.send_leases import extend_every
 from vllm_omni_kv.logger import init_logger
 
 if TYPE_CHECKING:

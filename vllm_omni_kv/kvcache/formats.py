@@ -7,9 +7,12 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from vllm_omni_kv.errors import KVPayloadError
+from vllm_omni_kv.kvcache.cache_layout import KVLayoutId
 from vllm_omni_kv.kvcache.kv_utils import LayerKV
 from vllm_omni_kv.kvcache.meta import PAGED_BLOCKS, PayloadMeta
 from vllm_omni_kv.kvcache.paged_blocks import LayoutArg, plan_block_injection
+from vllm_omni_kv.kvcache.shared_pages import is_shared_payload
+from vllm_omni_kv.kvcache.shared_pages_plan import PageSource, SharedPagesPlan
 from vllm_omni_kv.kvcache.token_major import plan_token_injection
 from vllm_omni_kv.wire.stream import PayloadStream, Span
 
@@ -33,14 +36,22 @@ def plan_injection(
     *,
     start_token: int = 0,
     layout: LayoutArg = None,
+    pages: PageSource | None = None,
+    verify: bool = True,
 ) -> InjectionPlan:
     """The plan that writes tokens ``[start_token, num_tokens)`` of ``data`` into ``block_ids``.
 
     ``kv_caches`` are the local layers ``data`` covers (for a layer-wise part, its
     slice); ``start_token`` is a multiple of the block size (a local prefix hit).
     ``layout``: the local caches' layout identity (paged blocks), or a layout name
-    (token-major: see ``normalize_layer_kv``).
+    (token-major: see ``normalize_layer_kv``). ``pages``: where a shared-pages payload's
+    pages are copied from (the backend's cache region); ``verify``: check their digests.
     """
+    if is_shared_payload(data):
+        if not isinstance(layout, KVLayoutId):
+            raise KVPayloadError("a shared-pages payload needs a paged cache's layout identity")
+        first = start_token // max(1, layout.block_size)
+        return SharedPagesPlan(data, pages, list(kv_caches), layout, block_ids, first, verify)  # type: ignore[arg-type]
     meta = PayloadMeta.of(data)
     if meta.format == PAGED_BLOCKS:
         if start_token % meta.block_size:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_omni_kv.backends.factory import OmniConnectorFactory
+from vllm_omni_kv.backends.spec import ConnectorSpec
 from vllm_omni_kv.errors import ConfigError
 from vllm_omni_kv.transfer.session import DEFAULT_MAX_PART_BYTES
 
@@ -28,6 +30,8 @@ class OmniKVCacheConfig:
     meaning as in the vLLM connector's config). ``auth_key_file``: the shared secret
     (see :mod:`vllm_omni_kv.wire.auth`; default the file named by
     ``OMNIKV_AUTH_KEY_FILE``, else none): frames and side-channel messages carry MACs.
+    ``connector_config``: the backend (``type``, or ``name``) and its settings; a key the
+    backend does not read fails here, naming the nearest valid one.
     """
 
     connector_config: dict[str, Any] | None = None
@@ -78,6 +82,17 @@ class OmniKVCacheConfig:
             raise ConfigError(f"send_retries must be >= 1, got {self.send_retries}")
         if self.connector_config is not None and not isinstance(self.connector_config, dict):
             raise ConfigError("connector_config must be a mapping with a 'type' (backend name)")
+        if self.connector_config:
+            _check_connector_config(self.connector_config)
+
+
+def _check_connector_config(cc: dict[str, Any]) -> None:
+    """Unknown backend settings fail (an unknown backend fails when the connector starts)."""
+    kind = "type" if cc.get("type") else "name"
+    name = cc.get(kind)
+    if isinstance(name, str) and name:
+        extra = {k: v for k, v in cc.items() if k != kind}
+        OmniConnectorFactory.check_config(ConnectorSpec(name, extra), "connector_config")
 
 
 def field_of(obj: Any, key: str, default: Any = None) -> Any:

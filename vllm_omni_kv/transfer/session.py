@@ -17,6 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_omni_kv.backends.base import OmniConnectorBase
+from vllm_omni_kv.backends.cache_region import CacheRegion
+from vllm_omni_kv.backends.factory import OmniConnectorFactory
+from vllm_omni_kv.backends.spec import ConnectorSpec
 from vllm_omni_kv.errors import (
     ConfigError,
     KVPayloadError,
@@ -117,6 +120,20 @@ class TransferSession:
         self.send_key_hook = send_key_hook
         self.recv_key_hook = recv_key_hook
 
+    @classmethod
+    def open(
+        cls,
+        spec: ConnectorSpec,
+        from_stage: str,
+        to_stage: str,
+        policy: SessionPolicy | None = None,
+        *,
+        auth: AuthKey | None = None,
+    ) -> TransferSession:
+        """A session over a new backend built from ``spec``."""
+        backend = OmniConnectorFactory.create_connector(spec)
+        return cls(backend, from_stage, to_stage, policy, auth=auth)
+
     # -- keys ----------------------------------------------------------------------------
     def send_keys(self, transfer_id: str, topo: KVTPTopology) -> list[str]:
         """One key per target rank this sender feeds."""
@@ -138,22 +155,28 @@ class TransferSession:
         return limit
 
     def send(self, key: str, data: Any, *, chunk_bytes: int | None = None) -> int:
-        """Publish ``data`` under ``key`` (as layer-wise parts when large); return bytes put.
+        """Publish ``data`` under ``key``; return bytes put (see :meth:`publish`)."""
+        return self.publish(key, data, chunk_bytes=chunk_bytes)[0]
+
+    def publish(self, key: str, data: Any, *, chunk_bytes: int | None = None) -> tuple[int, int]:
+        """Publish ``data`` under ``key`` (as layer-wise parts when large); return
+        ``(bytes put, parts)``.
 
         ``chunk_bytes`` sets the frame's verification chunk (one paged block lets a
         receiver verify exactly the blocks it reads). Raises ``KVPayloadError`` for a
         payload that cannot be framed and ``KVTransferError`` when the backend keeps
         refusing it after ``send_retries`` attempts.
         """
-        total = 0
+        total, parts = 0, 0
 
         def put(part_key: str, part: Any) -> bool:
-            nonlocal total
+            nonlocal total, parts
             total += self._put(part_key, codec.encode(part, chunk_bytes, self.auth))
+            parts += 1
             return True
 
         send_parts(put, key, data, self.part_limit())
-        return total
+        return total, parts
 
     def _put(self, key: str, frame: codec.Frame) -> int:
         delay = self.policy.retry_backoff
@@ -306,3 +329,73 @@ class TransferSession:
                 break
             found = True
         return found
+
+    # -- the vLLM connector's port onto the backend ----------------------------------------
+    @property
+    def cache_region(self) -> CacheRegion | None:
+        """The backend's exportable KV cache region (one-copy sends), if it has one."""
+        return self.backend.cache_region
+
+    @property
+    def verifies_frames(self) -> bool:
+        return self.backend.verify
+
+    def endpoint(self) -> tuple[str, int] | None:
+        """``(host, port)`` of the side channel consumers address, if the backend serves one."""
+        return self.backend.side_channel_endpoint()
+
+    def held_payloads(self) -> tuple[int, int]:
+        """``(payloads, bytes)`` published here and not yet consumed."""
+        return self.backend.held_payloads()
+
+    def lease_until(self, key: str) -> float | None:
+        """Producer: None once the payload under ``key`` is gone (consumed, withdrawn, or
+        the backend cannot tell), else the monotonic time a consumer extended it to."""
+        return self.backend.held_until(self.from_stage, self.to_stage, key)
+
+    def withdraw(self, key: str, parts: int = 1) -> None:
+        """Producer: remove the unconsumed payload under ``key`` (all ``parts``)."""
+        for i in range(max(1, parts)):
+            self.backend.cleanup(part_key(key, i))
+
+    def extend(self, key: str, endpoint: dict[str, Any] | None, seconds: float) -> int:
+        """Consumer: extend the producer's lease of every part of the payload under ``key``
+        by ``seconds``; the number of parts extended (0: absent, or no leases here)."""
+        done = 0
+        for i in range(MAX_PARTS):
+            if not self.backend.extend(
+                self.from_stage, self.to_stage, part_key(key, i), seconds, endpoint
+            ):
+                break
+            done += 1
+        return done
+
+    def hold(self, key: str) -> str:
+        """Producer: the hold on the blocks of the shared-pages payload about to go under
+        ``key`` (needs a cache region)."""
+        return self._region().hold(self.from_stage, self.to_stage, key)
+
+    def hold_released(self, hold: str) -> bool:
+        return self._region().released(hold)
+
+    def take_back(self, hold: str) -> bool:
+        return self._region().take_back(hold)
+
+    def release_hold(self, key: str) -> None:
+        """Consumer: release the hold of the payload under ``key`` unread (no-op without a
+        cache region or a hold)."""
+        region = self.backend.cache_region
+        if region is not None:
+            region.release(region.hold_name(self.from_stage, self.to_stage, key))
+
+    def _region(self) -> CacheRegion:
+        region = self.backend.cache_region
+        if region is None:
+            raise ConfigError(
+                f"backend {type(self.backend).__name__} exports no KV cache region: holds "
+                "need a backend with share_cache or register_cache"
+            )
+        return region
+
+    def close(self) -> None:
+        self.backend.close()

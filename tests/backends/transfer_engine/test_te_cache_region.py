@@ -192,7 +192,7 @@ def _key() -> str:
 
 
 def _copy(c: Any, stream: Any, caches: list[torch.Tensor], dst: list[int], first: int = 0) -> int:
-    """What ``SharedCopy.apply`` does: copy the payload's pages under its hold."""
+    """What ``SharedPagesPlan.apply`` does: copy the payload's pages under its hold."""
     meta, shared, ids = shared_fields(stream.obj)
     pairs = list(zip(ids[first:], dst[first:], strict=True))
     region = c.cache_region

@@ -39,7 +39,7 @@ import socket
 import threading
 import time
 import weakref
-from typing import Any
+from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
 from vllm_omni_kv.backends.base import OmniConnectorBase
@@ -114,6 +114,11 @@ def _as_frame(data: Any) -> codec.Frame:
 
 class MooncakeStoreConnector(OmniConnectorBase):
     """Mooncake-store-backed omni connector (put/get by key through the store's master)."""
+
+    CONFIG_KEYS: ClassVar[frozenset[str]] = frozenset(
+        "host metadata_server master proto rdma segment localbuf get_timeout_s "
+        "connect_timeout_s remove_on_get replica_num".split()
+    )
 
     def __init__(self, config: dict[str, Any] | None = None) -> None:
         self._closed = True  # until fully constructed

@@ -33,7 +33,7 @@ to device): written, not run on a GPU yet.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from vllm_omni_kv.backends.nixl.engine import MD_OP, NixlEngine
 from vllm_omni_kv.backends.transfer_engine.cache_region import CacheRegionConnector
@@ -46,6 +46,9 @@ class NixlConnector(CacheRegionConnector):
     ``register_cache``, the KV cache registered too)."""
 
     backend_name = "nixl"
+    CONFIG_KEYS: ClassVar[frozenset[str]] = CacheRegionConnector.CONFIG_KEYS | frozenset(
+        "nixl_backends nixl_num_threads handshake_timeout_s handshake_retries".split()
+    )
 
     def __init__(self, config: dict[str, Any] | None = None) -> None:
         self._nixl: NixlEngine | None = None

@@ -31,7 +31,7 @@ import os
 import platform
 import threading
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 from vllm_omni_kv.backends.base import OmniConnectorBase
 from vllm_omni_kv.backends.cache_region import CacheRegion
@@ -86,9 +86,14 @@ class SharedMemoryConnector(OmniConnectorBase):
     pages once, cache to cache; default false; see
     :mod:`vllm_omni_kv.backends.shm.cache_region`), ``verify_pages`` (with ``share_cache``
     on a host cache: a digest per page, verified by consumers after copying; default
-    false).
+    false), ``populate`` (map arena segments pre-faulted, ``MAP_POPULATE``; default true).
     Remote-transport metadata (``source_host``...) is ignored: lookups are by key.
     """
+
+    CONFIG_KEYS: ClassVar[frozenset[str]] = frozenset(
+        "shm_threshold_bytes namespace pool_max_bytes ttl_seconds verify stream populate "
+        "heartbeat_stale_s share_cache verify_pages".split()
+    )
 
     def __init__(self, config: dict[str, Any] | None = None) -> None:
         self._closed = True  # until fully constructed
@@ -126,8 +131,6 @@ class SharedMemoryConnector(OmniConnectorBase):
                 platform.machine(),
             )
         self.supports_streaming = self.stream
-        self.stage_id = self.config.get("stage_id", -1)
-        self.device = self.config.get("device", "cpu")
         self._arena = producer.ProducerArena(
             pool_max,
             populate=bool(self.config.get("populate", True)),
@@ -349,6 +352,11 @@ class SharedMemoryConnector(OmniConnectorBase):
         with self._lock:
             for n in gone:
                 self._owned.pop(n, None)
+
+    def held_payloads(self) -> tuple[int, int]:
+        self._prune_claimed()
+        with self._lock:
+            return len(self._owned), sum(n for _k, _t, n in self._owned.values())
 
     def health(self) -> dict[str, Any]:
         self._prune_claimed()

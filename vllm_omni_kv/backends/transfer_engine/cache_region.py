@@ -24,7 +24,7 @@ expandable segments leave the cache unregistered: packed payloads, logged at sta
 unless the engine's package is installed.
 
 Holds are the pull protocol's exposure of that small frame (its edge key): the
-consumer's stream on the frame holds a lease for the whole copy (``SharedCopy.apply``
+consumer's stream on the frame holds a lease for the whole copy (``SharedPagesPlan.apply``
 runs inside the open stream, see ``transfer.session.receive_into``), and the copy
 ends that lease itself: the release's reply confirms the exposure stayed live for all
 of the copy. The producer frees the blocks once the exposure is gone (released after
@@ -47,7 +47,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -317,6 +317,11 @@ class CacheRegionConnector(PullTransferConnector):
     lack straight out of it and payloads are small frames of block ids; set it on both
     stages. ``verify_pages`` (default false; host caches): a digest per page, verified
     by consumers."""
+
+    CONFIG_KEYS: ClassVar[frozenset[str]] = PullTransferConnector.CONFIG_KEYS | {
+        "register_cache",
+        "verify_pages",
+    }
 
     def __init__(self, config: dict[str, Any] | None = None) -> None:
         cfg = config or {}

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
-from typing import Any
+from typing import Any, ClassVar
 
 from vllm_omni_kv.backends.transfer_engine.cache_region import CacheRegionConnector
 from vllm_omni_kv.backends.transfer_engine.pull import EngineAdapter
@@ -165,6 +165,9 @@ class MooncakeTransferEngineConnector(CacheRegionConnector):
     (and with ``register_cache``, the KV cache registered too)."""
 
     backend_name = "mooncake_te"
+    CONFIG_KEYS: ClassVar[frozenset[str]] = CacheRegionConnector.CONFIG_KEYS | frozenset(
+        "protocol device_name metadata_server rpc_port tcp_progress_timeout_s".split()
+    )
 
     def _make_engine(self) -> EngineAdapter:
         cfg = self.config

@@ -32,7 +32,7 @@ import math
 import threading
 import time
 import uuid
-from typing import Any
+from typing import Any, ClassVar
 
 from vllm_omni_kv.backends.base import OmniConnectorBase
 from vllm_omni_kv.backends.keys import edge_key, is_request_key
@@ -50,6 +50,7 @@ from vllm_omni_kv.backends.transfer_engine.pull_stream import (
     RawPullStream,
 )
 from vllm_omni_kv.backends.transfer_engine.side_channel import (
+    PORT_KEYS,
     SideChannelClient,
     SideChannelServer,
     sender_zmq_port,
@@ -71,6 +72,11 @@ class PullTransferConnector(OmniConnectorBase):
     """Shared implementation; subclasses provide ``_make_engine``."""
 
     backend_name = "transfer-engine"
+    CONFIG_KEYS: ClassVar[frozenset[str]] = PORT_KEYS | frozenset(
+        "role host memory_pool_size memory_pool_device max_pulls buffer_ttl_s transfer_timeout_s "
+        "side_channel_timeout_s get_timeout_s raise_on_timeout frame_checksum lease_slack_s "
+        "sender_host sender_zmq_port auth_key_file".split()
+    )
 
     def __init__(self, config: dict[str, Any] | None = None) -> None:
         self._closed = True  # until fully constructed (``__del__`` safety)
@@ -462,6 +468,13 @@ class PullTransferConnector(OmniConnectorBase):
             "role": self.role,
             "backend": self.backend_name,
         }
+
+    def side_channel_endpoint(self) -> tuple[str, int] | None:
+        return (self.host, self.zmq_port) if self.can_put and self.zmq_port > 0 else None
+
+    def held_payloads(self) -> tuple[int, int]:
+        counts = self._exposed.counts()
+        return int(counts.get("exposed_keys", 0)), int(counts.get("held_bytes", 0))
 
     def health(self) -> dict[str, Any]:
         stats = self._stats.snapshot()

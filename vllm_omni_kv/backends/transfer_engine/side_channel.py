@@ -374,6 +374,12 @@ class SideChannelClient:
             self._ctx.term()
 
 
+#: the settings :func:`sender_zmq_port` reads
+PORT_KEYS: frozenset[str] = frozenset(
+    {"zmq_port", "from_stage", "stage_id", "local_rank", "replica_id"}
+)
+
+
 def sender_zmq_port(config: dict[str, Any]) -> int:
     """This sender's side-channel port; 0 binds a free one (advertised in put metadata).
 

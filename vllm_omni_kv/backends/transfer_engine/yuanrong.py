@@ -17,7 +17,7 @@ path needs Ascend CANN and NPUs, so no round trip could run here.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, ClassVar
 
 from vllm_omni_kv.backends.net import free_port
 from vllm_omni_kv.backends.transfer_engine.pull import EngineAdapter, PullTransferConnector
@@ -81,6 +81,11 @@ class YuanrongTransferEngineConnector(PullTransferConnector):
     """Pull-based connector backed by the Yuanrong transfer engine (Ascend NPUs)."""
 
     backend_name = "yuanrong_te"
+    CONFIG_KEYS: ClassVar[frozenset[str]] = PullTransferConnector.CONFIG_KEYS | {
+        "protocol",
+        "device_name",
+        "rpc_port",
+    }
 
     def __init__(self, config: dict[str, Any] | None = None) -> None:
         cfg = {

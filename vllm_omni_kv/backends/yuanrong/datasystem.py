@@ -16,7 +16,7 @@ Verified on a CPU-only host: ``KVClient`` imports and its ``init()`` fails clean
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, ClassVar
 
 from vllm_omni_kv.backends.base import OmniConnectorBase
 from vllm_omni_kv.backends.keys import edge_key, is_request_key
@@ -48,6 +48,10 @@ def import_kv_client() -> tuple[Any, Any]:
 
 class YuanrongConnector(OmniConnectorBase):
     """Datasystem-based distributed connector (frames stored in a Yuanrong worker)."""
+
+    CONFIG_KEYS: ClassVar[frozenset[str]] = frozenset(
+        "host port get_sub_timeout_ms ttl_second connect_timeout_ms write_mode".split()
+    )
 
     def __init__(self, config: dict[str, Any] | None = None) -> None:
         self._closed = True

@@ -1,4 +1,4 @@
-"""When a producer lets vLLM free the blocks of a one-copy send (``SharedSends``), on a real
+"""When a producer lets vLLM free the blocks of a one-copy send (:mod:`.handoff`), on a real
 shared-memory backend with the cache in its region: only once vLLM finished the request
 and the consumer released the hold; never while a consumer copies; after the lease when
 nobody came; at once for an aborted request."""
@@ -17,10 +17,10 @@ import torch
 
 from vllm_omni_kv.backends.shm import arena
 from vllm_omni_kv.backends.shm.connector import SharedMemoryConnector
-from vllm_omni_kv.connector.config import parse_omni_kv_config
+from vllm_omni_kv.connector.handoff import HandoffState, ProducerHandoffs
 from vllm_omni_kv.connector.metadata import SaveSpec
+from vllm_omni_kv.connector.page_export import PageExport
 from vllm_omni_kv.connector.receive import LayerCache
-from vllm_omni_kv.connector.shared_sends import SharedSends
 from vllm_omni_kv.kvcache.cache_layout import infer_identity
 from vllm_omni_kv.transfer.session import TransferSession
 
@@ -43,18 +43,18 @@ class Producer:
         ident = infer_identity(views[0])
         self.layers = [LayerCache(f"l{i}", v, ident, None) for i, v in enumerate(views)]
         self.session = TransferSession(self.backend, "prefill", "decode")
-        cfg = parse_omni_kv_config({"send_ttl": ttl})
-        sends = SharedSends.create(self.session, region, self.layers, True, cfg)
-        assert sends is not None, "the cache was allocated in the region"
-        self.sends = sends
+        export = PageExport.create(region, self.layers, "shm")
+        assert export is not None, "the cache was allocated in the region"
+        self.export = export
+        self.sends = ProducerHandoffs(self.session, ttl, timer=False)
 
     def send(self, req: str) -> str:
         """Publish a one-copy payload for ``req``; return its hold."""
-        hold = self.sends.hold(req)
+        hold = self.session.hold(req)
         spec = SaveSpec(req, req, [3, 4], 50, prompt_digest="d")
-        data = self.sends.payload(spec, self.layers, hold, {})
-        self.session.send(req, data)
-        self.sends.add(req, [(req, hold)])
+        data = self.export.payload(spec, self.layers, hold, {})
+        _n, parts = self.session.publish(req, data)
+        self.sends.published(req, req, hold=hold, parts=parts)
         return hold
 
     def close(self) -> None:
@@ -95,6 +95,8 @@ def test_a_consumer_copying_keeps_the_blocks_past_the_lease(prod: Producer) -> N
     try:
         assert entered.wait(5)
         time.sleep(0.7)  # past send_ttl
+        prod.sends.check()  # the lease timer's tick
+        assert prod.sends.state_of("r2") == [HandoffState.CLAIMED]
         assert prod.sends.done({"r2"}) == set(), "blocks freed under a reader"
     finally:
         leave.set()
@@ -107,6 +109,9 @@ def test_nobody_comes_the_lease_runs_out(prod: Producer) -> None:
     hold = prod.send("r3")
     assert prod.sends.done({"r3"}) == set()
     time.sleep(0.6)
+    prod.sends.check()  # the lease timer's tick
+    assert prod.sends.state_of("r3") == [HandoffState.EXPIRED]
+    assert prod.sends.expired == 1
     assert prod.sends.done(set()) == {"r3"}
     assert not os.path.exists(arena.path(hold))
     late = SharedMemoryConnector({"namespace": prod.ns, "share_cache": True})
@@ -119,6 +124,7 @@ def test_nobody_comes_the_lease_runs_out(prod: Producer) -> None:
 def test_an_aborted_request_frees_its_blocks_at_once(prod: Producer) -> None:
     hold = prod.send("r4")
     prod.sends.withdraw(["r4"])
+    assert prod.sends.state_of("r4") == [HandoffState.WITHDRAWN]
     assert prod.sends.done({"r4"}) == {"r4"}
     assert not os.path.exists(arena.path(hold))
 
@@ -129,6 +135,8 @@ def test_a_waiting_consumer_extends_the_lease(prod: Producer) -> None:
     try:
         assert consumer.extend("prefill", "decode", "r5", 60.0)
         time.sleep(0.6)  # past send_ttl, within the extension
+        prod.sends.check()
+        assert prod.sends.state_of("r5") == [HandoffState.PUBLISHED]
         assert prod.sends.done({"r5"}) == set()
         stream: Any = consumer.open_stream("prefill", "decode", "r5")
         assert stream is not None

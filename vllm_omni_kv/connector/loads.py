@@ -1,0 +1,139 @@
+"""Consumer: one request's load, run on a worker's load thread, and its outcome.
+
+A load polls the session for the request's payload (bounded by ``recv_timeout`` from
+when it was scheduled), checks it against the request and writes just the tokens the
+consumer lacks (:mod:`.receive`). Every load ends in an :class:`Outcome`; a failed
+one names the blocks vLLM must recompute. A request fully cached here discards its
+payload; one waiting for blocks extends the payload's lease at the producer.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+
+from vllm_omni_kv.backends.cache_region import CacheRegion
+from vllm_omni_kv.connector.compat import CompatIdentity
+from vllm_omni_kv.connector.config import OmniKVConfig
+from vllm_omni_kv.connector.metadata import DiscardSpec, LoadSpec
+from vllm_omni_kv.connector.outcome import Outcome as _Outcome
+from vllm_omni_kv.connector.receive import LayerCache, receive
+from vllm_omni_kv.errors import (
+    KVPayloadError,
+    KVTransferCancelled,
+    KVTransferTimeout,
+    OmniKVError,
+)
+from vllm_omni_kv.kvcache.kv_utils import KVTPTopology
+from vllm_omni_kv.logger import init_logger
+from vllm_omni_kv.transfer.session import TransferSession, sender_endpoint
+
+logger = init_logger(__name__)
+
+
+class LoadRunner:
+    """Runs the loads, discards and lease extensions of one consumer worker."""
+
+    def __init__(
+        self,
+        session: TransferSession,
+        cfg: OmniKVConfig,
+        layers: Sequence[LayerCache],
+        tp: tuple[int, int],
+        block_size: int,
+        compat: CompatIdentity | None,
+    ) -> None:
+        """``tp``: this worker's ``(rank, size)``."""
+        self.session, self.cfg, self.layers = session, cfg, layers
+        self.tp_rank, self.tp_size = tp
+        self.block_size = block_size
+        self.compat = compat
+        self.region: CacheRegion | None = session.cache_region
+        self.stop = threading.Event()
+
+    def topology(self, source_tp: int | None) -> KVTPTopology:
+        return KVTPTopology(
+            source_tp or self.cfg.source_tp_size or self.tp_size, self.tp_size, self.tp_rank
+        )
+
+    def failed(self, spec: LoadSpec, why: str, dt: float, **flags: bool) -> _Outcome:
+        first = spec.num_local_tokens // self.block_size
+        n_blocks = -(-(spec.num_local_tokens + spec.num_load_tokens) // self.block_size)
+        return _Outcome(
+            spec.req_id,
+            ok=False,
+            block_ids=list(spec.block_ids[first:n_blocks]),
+            seconds=dt,
+            error=why,
+            **flags,
+        )
+
+    def load(self, spec: LoadSpec, deadline: float, cancel: threading.Event) -> _Outcome:
+        t0 = time.monotonic()
+        topo = self.topology(spec.source_tp_size)
+        keys = self.session.recv_keys(spec.transfer_id, topo)
+        endpoints = [sender_endpoint(spec.remote_host, spec.remote_port, r) for _k, r in keys]
+        try:
+            if self.stop.is_set():
+                raise KVTransferCancelled("the connector is shutting down")
+            got = receive(
+                self.session,
+                self.layers,
+                spec,
+                [(k, ep) for (k, _r), ep in zip(keys, endpoints, strict=True)],
+                topo,
+                deadline,
+                cancel,
+                self.compat,
+            )
+        except KVTransferCancelled as e:
+            for (key, _r), ep in zip(keys, endpoints, strict=True):  # tell the producer
+                try:
+                    self.session.release_hold(key)
+                    self.session.discard(key, ep)
+                except Exception as err:  # best effort: the producer expires it anyway
+                    logger.debug("discarding %s after cancel: %s", key, err)
+            return self.failed(spec, str(e), time.monotonic() - t0, cancelled=True)
+        except KVTransferTimeout as e:
+            why = f"{e} (within recv_timeout={self.cfg.recv_timeout:g}s)"
+            return self.failed(spec, why, time.monotonic() - t0, timed_out=True)
+        except KVPayloadError as e:  # the payload was refused (prompt, model, layout, bytes)
+            why = f"{type(e).__name__}: {e}"
+            return self.failed(spec, why, time.monotonic() - t0, refused=True)
+        except OmniKVError as e:
+            return self.failed(spec, f"{type(e).__name__}: {e}", time.monotonic() - t0)
+        except Exception as e:
+            logger.exception("unexpected error loading the KV of request %s", spec.req_id)
+            return self.failed(spec, f"{type(e).__name__}: {e}", time.monotonic() - t0)
+        return _Outcome(
+            spec.req_id,
+            ok=True,
+            tokens=got.tokens,
+            nbytes=got.moved,
+            seconds=time.monotonic() - t0,
+            write_seconds=got.write_seconds,
+        )
+
+    def discard(self, d: DiscardSpec) -> None:
+        """A full local prefix hit: tell the producer its payload is not needed (nothing moves)."""
+        try:
+            topo = self.topology(d.source_tp_size)
+            for key, from_rank in self.session.recv_keys(d.transfer_id, topo):
+                ep = sender_endpoint(d.remote_host, d.remote_port, from_rank)
+                self.session.release_hold(key)
+                if self.session.discard(key, ep):
+                    logger.debug("request %s is fully cached here: released %s", d.req_id, key)
+        except Exception as e:  # best effort: the producer expires it after send_ttl
+            logger.debug("discarding the payload of %s: %s", d.req_id, e)
+
+    def extend(self, d: DiscardSpec) -> None:
+        """A request waiting here for blocks: extend its payload's lease at the producer."""
+        try:
+            topo = self.topology(d.source_tp_size)
+            for key, from_rank in self.session.recv_keys(d.transfer_id, topo):
+                ep = sender_endpoint(d.remote_host, d.remote_port, from_rank)
+                if self.session.extend(key, ep, self.cfg.send_ttl):
+                    logger.debug("request %s waits: extended the lease of %s", d.req_id, key)
+        except Exception as e:  # best effort: without it the payload expires after send_ttl
+            logger.debug("extending the payload lease of %s: %s", d.req_id, e)

@@ -1,0 +1,63 @@
+"""Producer: this worker's KV cache exported through the backend's cache region.
+
+With a backend that exports the KV cache (:mod:`vllm_omni_kv.backends.cache_region`),
+the producer publishes block ids instead of bytes: a shared-pages payload naming the
+region, the layers' geometry in it and the request's blocks, under a hold that keeps
+the blocks until the consumer copied them (:mod:`.handoff` owns that lifetime).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from vllm_omni_kv.backends.cache_region import CacheRegion
+from vllm_omni_kv.connector.metadata import SaveSpec
+from vllm_omni_kv.connector.receive import LayerCache
+from vllm_omni_kv.kvcache.shared_pages import describe_request, layer_geometry
+from vllm_omni_kv.logger import init_logger
+from vllm_omni_kv.wire.payload import KVCacheTransferData
+
+logger = init_logger(__name__)
+
+
+class PageExport:
+    """The exported cache of one producer worker and the payloads that name its pages."""
+
+    def __init__(self, region: CacheRegion, desc: dict[str, Any]) -> None:
+        self.region = region
+        self.desc = desc  # {"region", "geometry"} of every payload
+
+    @classmethod
+    def create(
+        cls, region: CacheRegion, layers: Sequence[LayerCache], backend_name: str
+    ) -> PageExport | None:
+        """The export of ``layers``; None (logged once: packed payloads are sent instead)
+        when the cache is not in the region."""
+        caches = [x.cache for x in layers]
+        got = region.export(caches)
+        geometry = None if got is None else layer_geometry(caches, got[1], got[2])
+        if got is None or geometry is None:
+            logger.warning(
+                "OmniKVConnector: backend %s exports the KV cache, but this engine's cache "
+                "is not in its region: sending packed payloads instead",
+                backend_name,
+            )
+            return None
+        return cls(region, {"region": got[0], "geometry": geometry})
+
+    def payload(
+        self, spec: SaveSpec, layers: Sequence[LayerCache], hold: str, md: dict[str, Any]
+    ) -> KVCacheTransferData:
+        """The shared-pages payload of ``spec`` under ``hold``."""
+        self.region.ready([x.cache for x in layers])
+        return describe_request(
+            spec.transfer_id,
+            spec.block_ids,
+            spec.num_tokens,
+            [x.cache for x in layers],
+            layers[0].ident,
+            {**self.desc, "hold": hold},
+            digests=self.region.digests,
+            metadata=md,
+        )
