@@ -19,7 +19,7 @@ from vllm_omni_kv import KVCacheTransferData
 from vllm_omni_kv.connector.engine_layout import EngineLayout
 from vllm_omni_kv.errors import ConfigError
 from vllm_omni_kv.kvcache.cache_layout import KVLayoutId
-from vllm_omni_kv.kvcache.device_staging import GRANULE, DeviceStager
+from vllm_omni_kv.kvcache.device_staging import GRANULE, DeviceStager, canonical_device
 from vllm_omni_kv.kvcache.paged_blocks import extract_request_blocks, inject_request_blocks
 from vllm_omni_kv.testing.layout_emulator import (
     EmulatedEngine,
@@ -120,6 +120,25 @@ def test_layout_stager_refuses_other_device_and_bad_bound() -> None:
     stager = DeviceStager("meta")
     with pytest.raises(ConfigError, match="stager"):
         stager.gather([torch.zeros(4, 2, 32, 128)], [0])
+
+
+def test_device_names_resolve_to_what_tensors_report(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``torch.device("cuda")`` differs from the ``cuda:0`` its tensors report: a name
+    without an index is the current device, and the host has no index."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert canonical_device("cuda") == torch.device("cuda", 1)
+    assert canonical_device("cuda:0") == torch.device("cuda", 0)
+    assert canonical_device(torch.device("cuda", 2)) == torch.device("cuda", 2)
+    assert canonical_device("cpu:0") == torch.zeros(1).device
+    assert canonical_device("meta") == torch.device("meta")
+
+
+def test_layout_stager_named_differently_from_its_tensors_stages() -> None:
+    """Host: "cpu:0" against tensors on "cpu"; CUDA: "cuda" against tensors on "cuda:0"."""
+    e = _engine("flash-LBNHC", "bfloat16")
+    stager = DeviceStager("cpu:0" if DEVICE == "cpu" else torch.device(DEVICE).type)
+    _round_trip(e, stager)
+    assert stager.gathers == 1 and stager.fallbacks == 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

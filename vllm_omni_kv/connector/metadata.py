@@ -75,7 +75,13 @@ class DiscardSpec:
 
 @dataclass
 class OmniKVConnectorMetadata(KVConnectorMetadata):
-    """Scheduler -> worker: this step's saves, loads, discards and lease extensions."""
+    """Scheduler -> worker: this step's saves, loads, discards and lease extensions.
+
+    ``idle``: the step schedules no tokens (no forward pass), so the worker may wait
+    for transfers in flight. Set by the scheduler because the model runners differ in
+    what a connector sees: vLLM's V2 runner starts loads after the forward with no
+    attention metadata on every step.
+    """
 
     saves: list[SaveSpec] = field(default_factory=list)
     loads: list[LoadSpec] = field(default_factory=list)
@@ -84,6 +90,7 @@ class OmniKVConnectorMetadata(KVConnectorMetadata):
     extends: list[DiscardSpec] = field(default_factory=list)
     # saved requests that finished without a handoff (aborted): nobody reads their payload
     withdraws: list[str] = field(default_factory=list)
+    idle: bool = False
 
     def is_empty(self) -> bool:
         return not (self.saves or self.loads or self.discards or self.extends or self.withdraws)

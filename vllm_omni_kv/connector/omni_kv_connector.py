@@ -116,8 +116,11 @@ class OmniKVConnector(KVConnectorBase_V1):
         self.worker_half.register_kv_caches(kv_caches)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        idle = getattr(forward_context, "attn_metadata", None) is None
-        self.worker_half.start_load_kv(self._meta(), idle_step=idle)
+        # Whether this step runs a forward pass comes from the scheduler's metadata:
+        # vLLM's V2 model runner calls this after the forward, under a forward context
+        # without attention metadata, on every step.
+        meta = self._meta()
+        self.worker_half.start_load_kv(meta, idle_step=meta is not None and meta.idle)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         # Loads are asynchronous (between steps): nothing is pending for a forward pass.
@@ -141,6 +144,9 @@ class OmniKVConnector(KVConnectorBase_V1):
         return sending or None, recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        # failed_recving stays empty: a failed load reports its blocks in
+        # get_block_ids_with_load_errors, so vLLM keeps the prompt's valid prefix (one
+        # KV cache group) instead of recomputing the whole request.
         sending, recving = self.worker_half.get_transfer_results(finished_req_ids)
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving)
 

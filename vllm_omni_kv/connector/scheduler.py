@@ -199,7 +199,10 @@ class OmniKVScheduler:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OmniKVConnectorMetadata:
         meta = OmniKVConnectorMetadata(
-            loads=self._new_loads, discards=self._discards, withdraws=self._withdraws
+            idle=int(scheduler_output.total_num_scheduled_tokens) == 0,
+            loads=self._new_loads,
+            discards=self._discards,
+            withdraws=self._withdraws,
         )
         self._new_loads, self._discards, self._withdraws = [], [], []
         if self._waiting and (now := time.monotonic()) >= self._next_extend:

@@ -36,6 +36,18 @@ def _rounded(n: int) -> int:
     return -(-n // GRANULE) * GRANULE
 
 
+def canonical_device(device: torch.device | str) -> torch.device:
+    """``device`` as its tensors report it: an accelerator without an index is the
+    current one (``"cuda"`` -> ``cuda:<current>``), and the host has no index."""
+    d = torch.device(device)
+    if d.type == "cpu":
+        return torch.device("cpu")
+    current = getattr(getattr(torch, d.type, None), "current_device", None)
+    if d.index is None and callable(current):
+        return torch.device(d.type, int(current()))
+    return d
+
+
 @dataclass(frozen=True)
 class _Slice:
     offset: int
@@ -131,7 +143,7 @@ class DeviceStager:
     """
 
     def __init__(self, device: torch.device | str, max_bytes: int = DEFAULT_STAGING_BYTES) -> None:
-        self.device = torch.device(device)
+        self.device = canonical_device(device)
         if max_bytes <= 0:
             raise ConfigError(f"staging_bytes must be > 0, got {max_bytes}")
         self.max_bytes = int(max_bytes)
