@@ -8,7 +8,8 @@ invocation, engines in subprocesses (at most two at a time):
 
 * ``colocated``: one engine prefills and decodes;
 * ``omnikv_<backend>``: a producer prefills (``max_tokens=1``, ``do_remote_decode``),
-  a consumer generates with the transferred KV;
+  a consumer generates with the transferred KV (``shm``: one copy from the producer's
+  cache, the default; ``shm_packed``: ``share_cache: false``, packed frames);
 * ``example_connector``: vLLM's built-in ``ExampleConnector`` (safetensors files in
   a directory under /tmp, its default storage).
 
@@ -184,7 +185,9 @@ def _omnikv_configs(
             "backend_extra": {**common, "role": "sender", "zmq_port": free_port()},
         }
         cextra = {"backend": "mooncake", "backend_extra": {**common, "role": "receiver"}}
-    else:
+    elif backend == "shm_packed":  # the two-copy path: frames packed by the producer
+        pextra = cextra = {"backend": "shm", "backend_extra": {"share_cache": False}}
+    else:  # "shm": pages copied from the producer's cache (the default)
         pextra = cextra = {"backend": backend}
     pextra = {**pextra, "transfer_cpus": transfer_cpus}
     cextra = {**cextra, "transfer_cpus": transfer_cpus}

@@ -54,9 +54,13 @@ def make_prompts(model_dir: Path, n: int, seed: int = 0) -> list[list[int]]:
     return out
 
 
+SHM_BACKENDS = ("shm", "shared_memory", "SharedMemoryConnector", "cuda_ipc")
+
+
 def omni_ktc(role: str, policy: str | None = None, **extra: Any) -> dict[str, Any]:
     """A ``KVTransferConfig`` mapping for :class:`OmniKVConnector` (in this run's namespace)."""
-    extra["backend_extra"] = {"namespace": NAMESPACE, **extra.get("backend_extra", {})}
+    if extra.get("backend", "shm") in SHM_BACKENDS:  # the one setting shared memory takes
+        extra["backend_extra"] = {"namespace": NAMESPACE, **extra.get("backend_extra", {})}
     ktc: dict[str, Any] = {
         "kv_connector": "OmniKVConnector",
         "kv_role": role,

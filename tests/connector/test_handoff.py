@@ -31,8 +31,10 @@ LEGAL = {
     (S.PUBLISHED, "expire"): S.EXPIRED,
     (S.CLAIMED, "expire"): S.EXPIRED,
     (S.PUBLISHED, "withdraw"): S.WITHDRAWN,
+    (S.PUBLISHED, "revoke"): S.WITHDRAWN,
+    (S.CLAIMED, "revoke"): S.WITHDRAWN,
 }
-METHODS = ("extend", "claim", "release", "expire", "withdraw")
+METHODS = ("extend", "claim", "release", "expire", "withdraw", "revoke")
 
 
 class Port:
@@ -44,6 +46,7 @@ class Port:
         self.released: set[str] = set()
         self.reading: set[str] = set()  # holds a consumer is copying under
         self.taken_back: list[str] = []
+        self.revoked: list[str] = []
 
     def lease_until(self, key: str) -> float | None:
         return self.lease.get(key, 0.0)
@@ -53,6 +56,9 @@ class Port:
 
     def hold_released(self, hold: str) -> bool:
         return hold in self.released
+
+    def revoke(self, hold: str) -> None:
+        self.revoked.append(hold)
 
     def take_back(self, hold: str) -> bool:
         if hold in self.reading:
@@ -219,6 +225,32 @@ def test_an_abort_of_an_unknown_request_is_a_no_op() -> None:
     own, port = _owner()
     own.withdraw(["nobody"])
     assert not port.withdrawn and len(own) == 0
+
+
+# -- preemption (vLLM freed the blocks) ---------------------------------------------------
+@pytest.mark.parametrize("state", ALL)
+def test_a_preemption_in_every_state(state: HandoffState) -> None:
+    own, port = _owner()
+    h = own.published("r", "k", hold="h")
+    h.state = state
+    own.revoke(["r"])
+    if state in (S.PUBLISHED, S.CLAIMED):
+        assert h.state is S.WITHDRAWN and port.revoked == ["h"]
+        assert port.withdrawn == [("k", 1)]
+    else:
+        assert h.state is state and not port.revoked and not port.withdrawn
+
+
+def test_a_preempted_request_is_not_reported_and_its_resend_starts_anew() -> None:
+    own, port = _owner()
+    own.published("r", "k", hold="h")
+    port.reading.add("h")  # a consumer is copying: it is told through the revoke mark
+    own.revoke(["r"])
+    assert port.revoked == ["h"] and own.done(set()) == set()
+    h2 = own.published("r", "k", hold="h2")  # saved again after the recompute
+    assert own.done({"r"}) == set(), "the new payload's blocks are still named"
+    port.released.add("h2")
+    assert own.done(set()) == {"r"} and h2.state is S.RELEASED
 
 
 # -- reporting (finished_sending) ----------------------------------------------------------

@@ -21,6 +21,7 @@ from vllm_omni_kv.connector.handoff import HandoffState, ProducerHandoffs
 from vllm_omni_kv.connector.metadata import SaveSpec
 from vllm_omni_kv.connector.page_export import PageExport
 from vllm_omni_kv.connector.receive import LayerCache
+from vllm_omni_kv.errors import KVTransferError
 from vllm_omni_kv.kvcache.cache_layout import infer_identity
 from vllm_omni_kv.transfer.session import TransferSession
 
@@ -146,3 +147,45 @@ def test_a_waiting_consumer_extends_the_lease(prod: Producer) -> None:
     finally:
         consumer.close()
     assert prod.sends.done(set()) == {"r5"}
+
+
+def test_a_preemption_while_a_consumer_copies_fails_its_copy(prod: Producer) -> None:
+    hold = prod.send("r6")
+    entered, leave = threading.Event(), threading.Event()
+    reader = SharedMemoryConnector({"namespace": prod.ns, "share_cache": True})
+    errors: list[BaseException] = []
+
+    def copy() -> None:
+        try:
+            with reader.cache_region.reading(hold):  # type: ignore[union-attr]
+                entered.set()
+                leave.wait(10)
+        except BaseException as e:
+            errors.append(e)
+
+    t = threading.Thread(target=copy)
+    t.start()
+    try:
+        assert entered.wait(5)
+        prod.sends.revoke(["r6"])  # vLLM freed the blocks under the reader
+        assert prod.sends.state_of("r6") == [HandoffState.WITHDRAWN]
+    finally:
+        leave.set()
+        t.join(5)
+        reader.close()
+    assert len(errors) == 1 and isinstance(errors[0], KVTransferError), errors
+    assert "preempted" in str(errors[0])
+    assert prod.sends.done(set()) == set(), "a preempted request is not finished"
+
+
+def test_a_copy_that_ends_before_a_preemption_is_good(prod: Producer) -> None:
+    hold = prod.send("r7")
+    reader = SharedMemoryConnector({"namespace": prod.ns, "share_cache": True})
+    try:
+        with reader.cache_region.reading(hold):  # type: ignore[union-attr]
+            pass  # the copy ends (and its hold goes) before vLLM frees the blocks
+        prod.sends.revoke(["r7"])  # must not make that finished copy fail
+    finally:
+        reader.close()
+    assert not os.path.exists(arena.path(hold))
+    assert prod.sends.state_of("r7") == [HandoffState.WITHDRAWN]

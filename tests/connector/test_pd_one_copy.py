@@ -128,9 +128,9 @@ def test_pages_are_copied_once_from_the_producers_cache(
     prompts = groups["equal"]
     params = pd.prefill(prompts)
     if pd.mode == "shm":  # block ids, not bytes: no payload segment, a hold per request,
-        assert len(_files("hold")) == len(prompts)  # both engines' caches in shared memory
+        assert len(_files("hold")) == len(prompts)
         assert not _files("payload"), _files("payload")
-        assert len(_files("kv")) == 2
+        assert len(_files("kv")) == 1  # the producer's cache; a consumer exports none
     loads = pd.decode(prompts, params)
     for load, ids in zip(loads, prompts):
         assert load["ok"] is True and load["tokens"] == len(ids), load
@@ -184,7 +184,7 @@ def test_killed_producer_recomputes_and_leaves_nothing(
     kill_group(pd.prod.proc.pid)
     pd.prod.proc.wait(timeout=30)
     deadline = time.monotonic() + 30  # its worker process may outlive the main one briefly
-    while sum(arena.pid_alive(p) for p in owners if p) > 1 and time.monotonic() < deadline:
+    while any(arena.pid_alive(p) for p in owners if p) and time.monotonic() < deadline:
         time.sleep(0.1)
     sweep_dead_segments()
     t0 = time.monotonic()
@@ -193,4 +193,4 @@ def test_killed_producer_recomputes_and_leaves_nothing(
     assert all(x["ok"] is False and x["error"] for x in loads), loads
     assert not _files("hold")
     if pd.mode == "shm":
-        assert len(_files("kv")) == 1  # the consumer's own cache
+        assert not _files("kv")  # the producer's cache is swept; the consumer exports none

@@ -177,6 +177,9 @@ class Runner:
 
     def step(self, so: SchedulerOutput) -> tuple[KVConnectorOutput | None, float]:
         with _agent(self.side.worker):
+            if self.active is None and so.kv_connector_metadata is not None:
+                # V1's GPU model runner, first thing in execute_model (V2: pre_forward)
+                self.side.worker.handle_preemptions(so.kv_connector_metadata)
             if so.total_num_scheduled_tokens == 0:
                 t0 = time.perf_counter()
                 out = self._no_forward(so)
@@ -386,3 +389,46 @@ def test_blocks_held_for_a_late_consumer_do_not_stall_decoding(kind: str, ns: st
     finally:
         cons.close()
         prod.close()
+
+
+@pytest.mark.parametrize("kind", RUNNERS)
+def test_a_preempted_one_copy_send_is_voided_and_sent_again(kind: str, ns: str) -> None:
+    """Producer: vLLM preempts a saved request and frees its blocks; its one-copy
+    payload (which names those blocks) is withdrawn before the next forward, the request
+    is saved again once its prefill is recomputed, and the consumer loads that one."""
+    prod = Side("kv_producer", ns, seed=0, share_cache=True)
+    cons = Side("kv_consumer", ns, seed=1, share_cache=True)
+    try:
+        runner = Runner(kind, prod)
+        session = prod.worker.worker_half.session
+        req = _request("r1", {"do_remote_decode": True})
+        prod.sched.on_new_request(req)
+        runner.step(prod.step(_sched_out({"r1": SEQ}, blocks={"r1": SRC_IDS})))
+        assert session.held_payloads()[0] == 1, "the prefill published one payload"
+        preempt = _sched_out(DECODING)
+        preempt.preempted_req_ids = {"r1"}
+        runner.step(prod.step(preempt))
+        assert getattr(preempt.kv_connector_metadata, "preempted", None) == ["r1"]
+        assert session.held_payloads()[0] == 0, "the void payload is still published"
+        again = prod.step(_sched_out({"r1": SEQ}, blocks={"r1": SRC_IDS}))
+        assert [x.req_id for x in getattr(again.kv_connector_metadata, "saves", [])] == ["r1"]
+        runner.step(again)
+        assert session.held_payloads()[0] == 1
+        req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        delay_free, params = prod.sched.request_finished(req, SRC_IDS)
+        assert delay_free and params is not None
+        consumer = Runner(kind, cons)
+        load = _schedule_load(cons, "r1", params)
+        done: set[str] = set()
+        deadline = time.monotonic() + 20
+        while "r1" not in done and time.monotonic() < deadline:
+            out, _took = consumer.step(cons.step(_sched_out({})))
+            if out is not None:
+                cons.sched.update_connector_output(out)
+                done |= out.finished_recving or set()
+        assert "r1" in done
+        assert _load_outcome(cons, load)["ok"]
+        _assert_same_kv(cons, prod)
+    finally:
+        prod.close()
+        cons.close()

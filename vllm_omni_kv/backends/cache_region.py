@@ -12,6 +12,14 @@ released. The consumer takes the hold for the duration of its copy and releases 
 when done (or when it gives up); the producer takes back a hold that nobody is reading
 once the payload's lease has run out. A consumer that finds its hold already taken back
 gets a clean error and recomputes; it never reads blocks that may have been reused.
+
+Placement is verified, not assumed: :meth:`CacheRegion.check_placement` raises
+``ConfigError`` unless every layer view vLLM registered lies inside the memory allocated
+through :meth:`CacheRegion.allocation_context`, so that the connector fails engine start
+when vLLM's allocator is one the context does not reach, rather than silently sending
+packed payloads. A region
+that cannot be reserved (a full ``/dev/shm``) leaves the allocation to vLLM and says why
+in :attr:`CacheRegion.unavailable_reason`.
 """
 
 from __future__ import annotations
@@ -24,21 +32,33 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from vllm_omni_kv.errors import KVPayloadError
+from vllm_omni_kv.errors import ConfigError, KVPayloadError
 from vllm_omni_kv.kvcache.cache_layout import KVLayoutId, page_view
 from vllm_omni_kv.kvcache.shared_pages import attach_layers, copy_pages
+from vllm_omni_kv.logger import init_logger
+
+logger = init_logger(__name__)
 
 
 class AllocateHostCache(TorchFunctionMode):
     """Inside it, the first large host ``torch.zeros(n, dtype=torch.int8)`` (how vLLM's
-    ``allocate_kv_cache`` allocates the whole KV cache) returns ``allocate(n)`` instead;
-    every other call runs unchanged."""
+    ``allocate_kv_cache`` allocates the whole KV cache) returns ``allocate(n)`` instead,
+    or runs unchanged where ``allocate`` returns None (the region cannot be reserved);
+    every other call runs unchanged. ``entered``: whether vLLM entered it."""
 
-    def __init__(self, allocate: Callable[[int], torch.Tensor], min_bytes: int = 1 << 20) -> None:
+    def __init__(
+        self, allocate: Callable[[int], torch.Tensor | None], min_bytes: int = 1 << 20
+    ) -> None:
         super().__init__()
         self.allocate = allocate
         self.min_bytes = min_bytes
         self.done = False
+        self.entered = False
+
+    def __enter__(self) -> AllocateHostCache:
+        self.entered = True
+        super().__enter__()
+        return self
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -52,8 +72,26 @@ class AllocateHostCache(TorchFunctionMode):
             and torch.device(kwargs.get("device") or "cpu").type == "cpu"
         ):
             self.done = True
-            return self.allocate(int(args[0]))
+            got = self.allocate(int(args[0]))
+            if got is not None:
+                return got
         return func(*args, **kwargs)
+
+
+def view_extent(t: torch.Tensor) -> tuple[int, int] | None:
+    """``[first, end)`` byte addresses the view ``t`` can touch, for any strides
+    (negative ones included); None for an empty view, which touches nothing."""
+    if t.numel() == 0:
+        return None
+    low = high = 0
+    for size, stride in zip(t.shape, t.stride(), strict=True):
+        step = (size - 1) * stride
+        if step < 0:
+            low += step
+        else:
+            high += step
+    esize, ptr = t.element_size(), t.data_ptr()
+    return ptr + low * esize, ptr + (high + 1) * esize
 
 
 class CacheRegion(ABC):
@@ -68,11 +106,84 @@ class CacheRegion(ABC):
     #: device-to-host copy to hash). Off by default: the hold already keeps the pages
     #: unchanged while they are copied; digests catch bugs, at about a memcpy's cost more.
     digests: bool = False
+    #: producer: the device type of the KV caches this region places (``cpu``: host caches)
+    places: str = "cpu"
+    #: producer: the flat allocation made through allocation_context, once made
+    tensor: torch.Tensor | None = None
+    #: producer: why the region could not be reserved (vLLM then allocated the KV cache
+    #: as usual: send packed payloads); None when it was, or was never asked to be
+    unavailable_reason: str | None = None
+    #: producer: the setting that turns this one-copy mode off (named in placement errors)
+    off_switch: str = "turn off the backend's one-copy mode"
 
     # -- producer ------------------------------------------------------------------------
     @abstractmethod
     def allocation_context(self) -> AbstractContextManager[Any] | None:
         """The context vLLM allocates the KV cache in (``get_mem_pool_context``)."""
+
+    def allocations(self) -> list[tuple[int, int]]:
+        """``(base address, bytes)`` of the memory allocated through
+        :meth:`allocation_context` (the default: :attr:`tensor`)."""
+        t = self.tensor
+        return [] if t is None else [(t.data_ptr(), t.numel() * t.element_size())]
+
+    def context_entered(self) -> bool | None:
+        """Whether vLLM entered :meth:`allocation_context`; None where not tracked."""
+        return None
+
+    def describe(self) -> str:
+        """The region, as placement errors name it."""
+        return f"the {self.kind} cache region"
+
+    def check_placement(self, caches: Sequence[torch.Tensor]) -> None:
+        """Verify that every byte of every layer view in ``caches`` (vLLM's registered KV
+        caches) lies inside one allocation made through :meth:`allocation_context`.
+        ``ConfigError`` naming the first layer outside it, or saying that nothing was
+        allocated there (or that the region was unavailable)."""
+        if self.unavailable_reason is not None:
+            raise ConfigError(
+                f"{self.describe()} holds no KV cache: {self.unavailable_reason}; "
+                f"{self.off_switch}, or make room for it"
+            )
+        spans = self.allocations()
+        if not spans:
+            raise ConfigError(self._missed())
+        for i, c in enumerate(caches):
+            if c.device.type != self.places:
+                where = f"is on {c.device}, where this region places no cache"
+            else:
+                ext = view_extent(c)
+                if ext is None or any(b <= ext[0] and ext[1] <= b + n for b, n in spans):
+                    continue
+                where = f"spans {ext[0]:#x}..{ext[1]:#x}"
+            raise ConfigError(
+                f"vLLM allocated the KV cache outside {self.describe()} ("
+                + ", ".join(f"{b:#x}+{n} bytes" for b, n in spans)
+                + f"): layer {i} {where}. This vLLM version's KV cache allocator is not "
+                f"supported by this one-copy mode: {self.off_switch}"
+            )
+
+    def _missed(self) -> str:
+        entered = self.context_entered()
+        if entered is False:
+            how = "vLLM never entered the connector's get_mem_pool_context()"
+        elif entered:
+            takes = (
+                "one host torch.zeros(n, dtype=torch.int8) of at least 1 MiB"
+                if self.places == "cpu"
+                else "what this thread allocates while inside it"
+            )
+            how = (
+                "vLLM entered the connector's get_mem_pool_context() but allocated nothing "
+                f"through it (the region takes {takes})"
+            )
+        else:
+            how = "nothing was allocated through the connector's get_mem_pool_context()"
+        return (
+            f"vLLM allocated the KV cache outside {self.describe()}: {how}. This vLLM "
+            f"version's KV cache allocator is not supported by this one-copy mode: "
+            f"{self.off_switch}"
+        )
 
     @abstractmethod
     def export(self, caches: Sequence[torch.Tensor]) -> tuple[dict[str, Any], int, int] | None:
@@ -96,6 +207,17 @@ class CacheRegion(ABC):
     def take_back(self, hold: str) -> bool:
         """Remove ``hold`` unless a consumer is reading under it right now; True when it is
         gone (taken back, or released)."""
+
+    def revoke(self, hold: str) -> None:
+        """The blocks under ``hold`` were freed (vLLM preempted the request): a consumer
+        copying under it must fail. The default (a region that cannot tell its readers)
+        logs it; page digests (``verify_pages``) still catch reused pages there."""
+        logger.warning(
+            "%s: blocks of hold %s were freed while it was published; a consumer copying "
+            "them now is not told (enable verify_pages to catch reused pages)",
+            self.describe(),
+            hold,
+        )
 
     # -- consumer ------------------------------------------------------------------------
     def attach(self, descriptor: Any) -> torch.Tensor:

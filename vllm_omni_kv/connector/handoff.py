@@ -8,6 +8,8 @@ Every payload a producer worker publishes (one per target rank of a request) is 
         |  \\--expire--> EXPIRED      (lease over, nobody reading: withdrawn)
         \\-----withdraw--> WITHDRAWN  (the request finished without a handoff)
     CLAIMED --expire--> EXPIRED      (the reader that held it is gone)
+    PUBLISHED, CLAIMED --revoke--> WITHDRAWN  (vLLM preempted the request and freed its
+                                    blocks: the payload is void, a reader is told)
 
 A lease starts at ``send_ttl``; a consumer whose request waits for blocks extends it
 (``extend``, in PUBLISHED or CLAIMED). CLAIMED means a consumer is copying the
@@ -117,6 +119,10 @@ class Handoff:
         """The request finished without a handoff: the payload was withdrawn unread."""
         self._move(S.WITHDRAWN, (S.PUBLISHED,))
 
+    def revoke(self) -> None:
+        """vLLM freed the request's blocks (preemption): the payload is void."""
+        self._move(S.WITHDRAWN, (S.PUBLISHED, S.CLAIMED))
+
 
 class HandoffPort(Protocol):
     """What the handoffs need from the transport (``TransferSession`` implements it)."""
@@ -133,6 +139,10 @@ class HandoffPort(Protocol):
 
     def take_back(self, hold: str) -> bool:
         """Remove ``hold`` unless a consumer is reading under it; True when it is gone."""
+
+    def revoke(self, hold: str) -> None:
+        """Mark ``hold`` void: a consumer copying under it fails instead of using pages
+        that may be overwritten."""
 
 
 @dataclass
@@ -185,6 +195,22 @@ class ProducerHandoffs:
                 for h in req.handoffs if req is not None else ():
                     if h.state is S.PUBLISHED:
                         self._end(h, S.WITHDRAWN)
+
+    def revoke(self, req_ids: Iterable[str]) -> None:
+        """vLLM preempted these requests and freed their blocks: void their payloads. A
+        preempted request is saved again later; its handoffs then start anew."""
+        with self._lock:
+            for req_id in req_ids:
+                req = self._reqs.get(req_id)
+                for h in req.handoffs if req is not None else ():
+                    if h.terminal:
+                        continue
+                    if h.shares_blocks:
+                        self.port.revoke(h.hold)
+                        self.port.take_back(h.hold)
+                    self._withdraw(h)
+                    h.revoke()
+                    logger.info("request %s was preempted: withdrew its payload %s", req_id, h.key)
 
     def state_of(self, req_id: str) -> list[HandoffState]:
         with self._lock:

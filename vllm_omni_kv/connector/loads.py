@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from vllm_omni_kv.backends.cache_region import CacheRegion
 from vllm_omni_kv.connector.compat import CompatIdentity
 from vllm_omni_kv.connector.config import OmniKVConfig
-from vllm_omni_kv.connector.metadata import DiscardSpec, LoadSpec
+from vllm_omni_kv.connector.metadata import LoadSpec, RemotePayload
 from vllm_omni_kv.connector.outcome import Outcome as _Outcome
 from vllm_omni_kv.connector.receive import LayerCache, receive
 from vllm_omni_kv.errors import (
@@ -115,7 +115,7 @@ class LoadRunner:
             write_seconds=got.write_seconds,
         )
 
-    def discard(self, d: DiscardSpec) -> None:
+    def discard(self, d: RemotePayload) -> None:
         """A full local prefix hit: tell the producer its payload is not needed (nothing moves)."""
         try:
             topo = self.topology(d.source_tp_size)
@@ -127,7 +127,7 @@ class LoadRunner:
         except Exception as e:  # best effort: the producer expires it after send_ttl
             logger.debug("discarding the payload of %s: %s", d.req_id, e)
 
-    def extend(self, d: DiscardSpec) -> None:
+    def extend(self, d: RemotePayload) -> None:
         """A request waiting here for blocks: extend its payload's lease at the producer."""
         try:
             topo = self.topology(d.source_tp_size)

@@ -63,8 +63,9 @@ class LoadSpec:
 
 
 @dataclass
-class DiscardSpec:
-    """Consumer: a remote payload that will never be loaded; drop it if it is there."""
+class RemotePayload:
+    """Consumer: where a request's remote payload is (discarded when a local prefix hit
+    makes it unneeded, or its lease extended while the request waits for blocks)."""
 
     req_id: str
     transfer_id: str
@@ -85,15 +86,24 @@ class OmniKVConnectorMetadata(KVConnectorMetadata):
 
     saves: list[SaveSpec] = field(default_factory=list)
     loads: list[LoadSpec] = field(default_factory=list)
-    discards: list[DiscardSpec] = field(default_factory=list)
+    discards: list[RemotePayload] = field(default_factory=list)
     # remote payloads of requests still waiting here: extend their producer-side leases
-    extends: list[DiscardSpec] = field(default_factory=list)
+    extends: list[RemotePayload] = field(default_factory=list)
     # saved requests that finished without a handoff (aborted): nobody reads their payload
     withdraws: list[str] = field(default_factory=list)
+    # saved requests vLLM preempted (their blocks were freed): their payloads are void
+    preempted: list[str] = field(default_factory=list)
     idle: bool = False
 
     def is_empty(self) -> bool:
-        return not (self.saves or self.loads or self.discards or self.extends or self.withdraws)
+        return not (
+            self.saves
+            or self.loads
+            or self.discards
+            or self.extends
+            or self.withdraws
+            or self.preempted
+        )
 
 
 @dataclass

@@ -115,6 +115,12 @@ class OmniKVConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker_half.register_kv_caches(kv_caches)
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        # both runners call this before the forward that may reuse preempted blocks
+        meta = kv_connector_metadata
+        if isinstance(meta, OmniKVConnectorMetadata):
+            self.worker_half.handle_preemptions(meta)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         # Whether this step runs a forward pass comes from the scheduler's metadata:
         # vLLM's V2 model runner calls this after the forward, under a forward context

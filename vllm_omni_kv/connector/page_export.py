@@ -33,15 +33,16 @@ class PageExport:
         cls, region: CacheRegion, layers: Sequence[LayerCache], backend_name: str
     ) -> PageExport | None:
         """The export of ``layers``; None (logged once: packed payloads are sent instead)
-        when the cache is not in the region."""
+        where the region cannot export them (a device cache it cannot register)."""
         caches = [x.cache for x in layers]
         got = region.export(caches)
         geometry = None if got is None else layer_geometry(caches, got[1], got[2])
         if got is None or geometry is None:
             logger.warning(
-                "OmniKVConnector: backend %s exports the KV cache, but this engine's cache "
-                "is not in its region: sending packed payloads instead",
+                "OmniKVConnector: backend %s cannot export this engine's KV cache (on %s): "
+                "sending packed payloads instead",
                 backend_name,
+                caches[0].device if caches else "?",
             )
             return None
         return cls(region, {"region": got[0], "geometry": geometry})

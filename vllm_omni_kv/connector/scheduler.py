@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, Any
 from vllm_omni_kv.connector.config import OmniKVConfig
 from vllm_omni_kv.connector.handoff import extend_every
 from vllm_omni_kv.connector.metadata import (
-    DiscardSpec,
     LoadSpec,
     OmniKVConnectorMetadata,
     OmniKVWorkerMetadata,
+    RemotePayload,
     SaveSpec,
     prompt_digest,
     transfer_id,
@@ -76,17 +76,17 @@ class OmniKVScheduler:
         # producer: requests to save once their prefill completes
         self._to_save: dict[str, Request] = {}
         # producer: saves issued to the worker, until request_finished
-        self._saved: dict[str, SaveSpec] = {}
+        self._saved: dict[str, tuple[SaveSpec, Request]] = {}
         # consumer: loads to ship with the next metadata / in flight / outcomes
         self._new_loads: list[LoadSpec] = []
         self._loading: dict[str, LoadSpec] = {}
         self._load_results: dict[str, dict[str, Any]] = {}
-        self._discards: list[DiscardSpec] = []
+        self._discards: list[RemotePayload] = []
         self._withdraws: list[str] = []  # saved requests aborted: their payload goes unread
         # consumer: requests served from the local prefix cache (payload released, not pulled)
         self._local_hits: set[str] = set()
         # consumer: requests that wait for blocks, whose payload leases are extended
-        self._waiting: dict[str, DiscardSpec] = {}
+        self._waiting: dict[str, RemotePayload] = {}
         self._next_extend = 0.0
 
     # -- helpers ------------------------------------------------------------------------
@@ -127,8 +127,8 @@ class OmniKVScheduler:
             return tid
         return transfer_id(str(params["remote_engine_id"]), str(params["remote_request_id"]))
 
-    def _remote(self, request: Request, params: dict[str, Any]) -> DiscardSpec:
-        return DiscardSpec(
+    def _remote(self, request: Request, params: dict[str, Any]) -> RemotePayload:
+        return RemotePayload(
             req_id=request.request_id,
             transfer_id=self._remote_tid(params),
             source_tp_size=_int_or_none(params.get("tp_size")),
@@ -208,6 +208,7 @@ class OmniKVScheduler:
         if self._waiting and (now := time.monotonic()) >= self._next_extend:
             meta.extends = list(self._waiting.values())
             self._next_extend = now + extend_every(self.cfg.send_ttl)
+        self._resave_preempted(scheduler_output, meta)
         if self._to_save:
             block_state = getattr(scheduler_output, "kv_connector_block_state", None)
             for req_id, n_sched in scheduler_output.num_scheduled_tokens.items():
@@ -232,9 +233,21 @@ class OmniKVScheduler:
                     prompt_digest=prompt_digest(request.prompt_token_ids),
                 )
                 meta.saves.append(spec)
-                self._saved[req_id] = spec
+                self._saved[req_id] = (spec, request)
                 del self._to_save[req_id]
         return meta
+
+    def _resave_preempted(
+        self, scheduler_output: SchedulerOutput, meta: OmniKVConnectorMetadata
+    ) -> None:
+        """vLLM preempted saved requests and freed their blocks: the worker voids their
+        payloads (a one-copy payload names those blocks), and each is saved again once
+        its prefill is recomputed."""
+        for req_id in scheduler_output.preempted_req_ids or ():
+            saved = self._saved.pop(req_id, None)
+            if saved is not None:
+                meta.preempted.append(req_id)
+                self._to_save[req_id] = saved[1]
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         wm = getattr(connector_output, "kv_connector_worker_meta", None)
@@ -251,7 +264,8 @@ class OmniKVScheduler:
         req_id = request.request_id
         self._to_save.pop(req_id, None)
         self._waiting.pop(req_id, None)
-        spec = self._saved.pop(req_id, None)
+        saved = self._saved.pop(req_id, None)
+        spec = None if saved is None else saved[0]
         if spec is not None:
             # The worker reports every saved request in finished_sending once it is
             # finished, so its blocks are held until then, whatever the outcome.

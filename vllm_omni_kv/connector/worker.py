@@ -71,6 +71,8 @@ IDLE_WAIT_S = 0.1
 #: longest wait for a consumer to release held blocks on a step with nothing to compute
 #: (short: a new request arriving meanwhile waits for the next step)
 HOLD_WAIT_S = 0.02
+#: backends of one host's shared memory (their frames can stream while written)
+SHM_BACKENDS = frozenset({"SharedMemoryConnector", "CudaIpcConnector"})
 #: how often the payloads-held gauge asks the backend
 HELD_EVERY_S = 1.0
 
@@ -104,6 +106,10 @@ class OmniKVWorker:
         spec = cfg.backend
         if "local_rank" not in spec.extra:  # per-rank side-channel ports (network backends)
             spec = ConnectorSpec(spec.name, {**spec.extra, "local_rank": self.tp_rank})
+        if cfg.backend_name in SHM_BACKENDS and "stream" not in spec.extra:
+            # a consumer learns a key only once its payload is complete: a frame streamed
+            # while it is written overlaps nothing here (the manager API keeps streaming)
+            spec = ConnectorSpec(spec.name, {**spec.extra, "stream": False})
         cpus = background_cpus(cfg.transfer_cpus)
         if cpus is not None:
             logger.info("OmniKVConnector: transfer threads run on CPUs %s", describe(cpus))
@@ -197,15 +203,26 @@ class OmniKVWorker:
             )
 
     def _export_pages(self) -> PageExport | None:
-        assert self._region is not None
-        if not self.paged_blocks:
+        """The one-copy export of this producer's cache, or None (said once: packed
+        payloads) where it cannot be; ``ConfigError`` when vLLM allocated the cache
+        outside the region it asked for."""
+        region = self._region
+        assert region is not None
+        caches = [x.cache for x in self.layers]
+        why = region.unavailable_reason
+        if why is None and not self.paged_blocks:
+            why = "producer and consumer TP sizes differ (token-major payloads)"
+        if why is not None:
             logger.warning(
-                "OmniKVConnector: producer and consumer TP sizes differ: backend %s sends "
-                "packed token-major payloads instead of shared pages",
+                "OmniKVConnector: backend %s sends packed payloads, not pages of this "
+                "engine's cache: %s",
                 self.cfg.backend_name,
+                why,
             )
             return None
-        return PageExport.create(self._region, self.layers, self.cfg.backend_name)
+        if caches[0].device.type == region.places:  # the region placed it: verify that
+            region.check_placement(caches)
+        return PageExport.create(region, self.layers, self.cfg.backend_name)
 
     # -- send ----------------------------------------------------------------------------
     def _payload(self, spec: SaveSpec, hold: str = "") -> tuple[KVCacheTransferData, int]:
@@ -286,6 +303,12 @@ class OmniKVWorker:
             )
         for spec in meta.saves:
             self._send(spec, self._handoffs)
+
+    def handle_preemptions(self, meta: OmniKVConnectorMetadata | None) -> None:
+        """Before the forward that may reuse them: void the payloads of preempted requests
+        (vLLM freed their blocks)."""
+        if meta is not None and meta.preempted and self._handoffs is not None:
+            self._handoffs.revoke(meta.preempted)
 
     # -- receive -------------------------------------------------------------------------
     def start_load_kv(self, meta: OmniKVConnectorMetadata | None, idle_step: bool = False) -> None:

@@ -49,7 +49,11 @@ from vllm_omni_kv.wire.stream import PayloadStream, check_cancel
 logger = init_logger(__name__)
 
 #: payloads above this many bytes travel as layer-wise parts over backends that
-#: cannot stream a frame while it is being written (see ``transfer.parts``)
+#: cannot stream a frame while it is being written (see ``transfer.parts``). In the
+#: vLLM connector a consumer learns a payload's key only after the producer published
+#: all of it, so parts overlap nothing there: what they do is bound a frame by a
+#: fixed transfer pool (Mooncake TE / NIXL ``memory_pool_size``, Mooncake Store
+#: segments), so a request larger than the pool still moves, part by part.
 DEFAULT_MAX_PART_BYTES = 8 << 20
 #: later parts of a payload are already in flight: poll them at most this far apart
 PART_POLL_S = 0.001
@@ -374,6 +378,10 @@ class TransferSession:
         """Producer: the hold on the blocks of the shared-pages payload about to go under
         ``key`` (needs a cache region)."""
         return self._region().hold(self.from_stage, self.to_stage, key)
+
+    def revoke(self, hold: str) -> None:
+        """Producer: void ``hold`` (its blocks were freed); a reader copying under it fails."""
+        self._region().revoke(hold)
 
     def hold_released(self, hold: str) -> bool:
         return self._region().released(hold)

@@ -84,6 +84,7 @@ def _producer(name: str, ns: str, device: str, seed: int, conn: Any) -> None:
     backend = _backend(name, ns)
     caches = _cache(backend, device, seed)
     region = backend.cache_region
+    region.check_placement(caches)  # cuda_ipc: inside the private pool's segments
     desc, base, nbytes = region.export(caches)
     geometry = layer_geometry(caches, base, nbytes)
     ident = infer_identity(caches[0], packing="k_v")

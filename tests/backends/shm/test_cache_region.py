@@ -8,19 +8,23 @@ import gc
 import hashlib
 import multiprocessing as mp
 import os
+import re
 import stat
+import subprocess
 import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
+from vllm_omni_kv.backends.cache_region import view_extent
 from vllm_omni_kv.backends.shm import arena
 from vllm_omni_kv.backends.shm.cache_region import KV_OFFSET, ShmCacheRegion
 from vllm_omni_kv.backends.shm.producer import ProducerArena
-from vllm_omni_kv.errors import KVPayloadError, KVTransferError
+from vllm_omni_kv.errors import ConfigError, KVPayloadError, KVTransferError
 
 CTX = mp.get_context("spawn")
 NBYTES = 3 << 20  # above the 1 MiB an allocation must reach to be the KV cache
@@ -343,3 +347,104 @@ def test_sweep_removes_a_killed_producers_cache_and_holds(ns: str, procs: list[A
     finally:
         consumer.close()
         cpa.close()
+
+
+# -- placement: vLLM's allocate_kv_cache, which its model runner runs in get_mem_pool_context
+@pytest.fixture
+def region(ns: str) -> Iterator[ShmCacheRegion]:
+    r, pa = _region(ns)
+    yield r
+    r.close()
+    pa.close()
+
+
+def _vllm_cache(layout: str, *, empty: bool = False) -> list[torch.Tensor]:
+    """3 MiB of bf16 layers by vLLM; ``empty``: its views over ``torch.empty`` (a new allocator)."""
+    from vllm.v1 import kv_cache_interface as kvi
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    spec = kvi.FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    lay, blocks, page, names = KVCacheLayout[layout], 128, spec.page_size_bytes, ["a", "b", "c"]
+    fixed = (None, page * 3 if lay.is_block_outermost else None, None, None, None)
+    strides = kvi.compute_layout_strides(spec, blocks, 3, lay, fixed_strides=fixed)
+    tensor = kvi.KVCacheTensor(page * blocks * 3, names, strides[0], strides[1])
+    if empty:
+        raw = torch.empty(tensor.size, dtype=torch.int8)
+        return kvi.create_kv_cache_views(raw, spec, blocks, lay, tensor)
+    cfg = kvi.KVCacheConfig(blocks, [tensor], [kvi.KVCacheGroupSpec(names, spec)])
+    return list(allocate_kv_cache(cfg, torch.device("cpu"), lay).values())
+
+
+@pytest.mark.parametrize("layout", ["LBNHC", "BLNHC"])  # layer- and block-outermost
+def test_vllm_allocates_in_the_segment(ns: str, region: ShmCacheRegion, layout: str) -> None:
+    with region.allocation_context():
+        caches = _vllm_cache(layout)
+    region.check_placement(caches)
+    (name,), got = arena.namespace_files(ns), region.export(caches)
+    assert got is not None and got[2] == 3 << 20 and region.tensor is not None
+    assert region.unavailable_reason is None
+    for i, c in enumerate(caches):
+        c.view(torch.int16).copy_(_pattern(10 + i, c.numel() * 2).view(torch.int16).view(c.shape))
+    raw = torch.from_numpy(np.fromfile(arena.path(name), dtype="<i2", offset=KV_OFFSET))  # file
+    for c in caches:
+        off = (c.data_ptr() - got[1]) // 2
+        assert torch.equal(raw.as_strided(c.shape, c.stride(), off), c.view(torch.int16))
+    stray = torch.zeros(1 << 20, dtype=torch.int8).view(torch.bfloat16)
+    with pytest.raises(ConfigError, match=f"outside .*{name}.*layer 3 spans.*share_cache: f"):
+        region.check_placement([*caches, stray])
+    beyond = np.lib.stride_tricks.as_strided(region.tensor.numpy()[-64:], (2, 64), (4096, 1))
+    with pytest.raises(ConfigError, match="layer 1 spans"):  # row 2 is past the end (unread)
+        region.check_placement([caches[0], torch.from_numpy(beyond)])
+    with pytest.raises(ConfigError, match="layer 0 is on meta"):
+        region.check_placement([torch.empty(4, device="meta"), *caches])
+
+
+def test_an_allocation_elsewhere_fails_the_check(ns: str, region: ShmCacheRegion) -> None:
+    caches = _vllm_cache("LBNHC")  # get_mem_pool_context not used
+    with pytest.raises(ConfigError, match="never entered.*share_cache: false"):
+        region.check_placement(caches)
+    with region.allocation_context():
+        caches = _vllm_cache("LBNHC", empty=True)
+    with pytest.raises(ConfigError, match="allocated nothing through it.*share_cache: false"):
+        region.check_placement(caches)
+    assert region.export(caches) is None and not arena.namespace_files(ns)
+
+
+@pytest.fixture(params=["small", "absent"])
+def no_room(request: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """The arena's directory: a 2 MiB tmpfs (needs root to mount; skipped otherwise), or none."""
+    mnt = str(tmp_path / "shm")
+    monkeypatch.setattr(arena, "SHM_DIR", mnt)
+    if request.param == "absent":
+        yield f"cannot create {re.escape(mnt)}/omnikv_seg_.*No such file"
+        return
+    os.mkdir(mnt)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", mnt], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {r.stderr.decode().strip()}")
+    yield f"{re.escape(mnt)} has no room for the 3.0 MiB KV cache .*--shm-size"
+    assert os.listdir(mnt) == []
+    subprocess.run(["umount", "-l", mnt], check=False)
+
+
+def test_no_room_leaves_the_cache_to_vllm(region: ShmCacheRegion, no_room: str) -> None:
+    with region.allocation_context():
+        caches = _vllm_cache("LBNHC")
+    assert re.search(no_room, region.unavailable_reason or ""), region.unavailable_reason
+    assert region.tensor is None and all(not c.any() for c in caches)  # vLLM's own
+    with pytest.raises(ConfigError, match=no_room):
+        region.check_placement(caches)
+    assert region.export(caches) is None
+
+
+def test_view_extent_matches_every_element_address() -> None:
+    base = torch.zeros(4096, dtype=torch.int8)
+    for v in (  # against the address of every element, one by one
+        base[16:400].view(torch.int32).view(4, 24).t(),  # transposed
+        base.as_strided((3, 5, 2), (700, 3, 1000), 7),  # strides out of order, gaps
+        base.as_strided((6, 4), (0, 9), 100),  # a broadcast (zero) stride
+        base[100:300].view(torch.bfloat16).view(10, 10)[2:7:2, 1::3],  # a slice of a slice
+    ):
+        addrs = [v[i].data_ptr() for i in np.ndindex(*v.shape)]
+        assert view_extent(v) == (min(addrs), max(addrs) + v.element_size())

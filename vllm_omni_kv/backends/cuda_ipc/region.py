@@ -8,6 +8,8 @@ the allocation, the storage's offset in it) and names the device by UUID, since
 ``CUDA_VISIBLE_DEVICES`` may number devices differently in the consumer. A payload is
 block ids (:mod:`vllm_omni_kv.kvcache.shared_pages`); the producer synchronizes its
 stream before publishing one, so the pages are final when a consumer reads them.
+:meth:`~CudaIpcRegion.check_placement` verifies that every layer view lies in one of the
+pool's segments (``MemPool.snapshot``).
 
 Consumer: opens the handle once per producer (``_new_shared_cuda``) and copies the pages
 it lacks device to device (peer to peer between two GPUs), then synchronizes before it
@@ -27,7 +29,7 @@ import mmap
 import os
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -85,12 +87,15 @@ class CudaIpcRegion(HoldFiles, CacheRegion):
 
     kind = "cuda_ipc"
     digests = False  # hashing device pages would need a device-to-host copy
+    places = "cuda"
+    off_switch = "use backend 'shm' without share_cache instead (packed payloads)"
 
     def __init__(self, namespace: str, producer: ProducerArena, stale_s: float) -> None:
         super().__init__(namespace)
         self.producer = producer
         self.stale_s = stale_s
         self._pool: Any = None
+        self._entered = False
         self._owner_seg: arena.Segment | None = None
         self._opened: dict[tuple[int, bytes, int], torch.Tensor] = {}  # consumer side
         self._lock = threading.Lock()
@@ -101,7 +106,25 @@ class CudaIpcRegion(HoldFiles, CacheRegion):
             return None
         if self._pool is None:
             self._pool = torch.cuda.MemPool()
-        return torch.cuda.use_mem_pool(self._pool)
+        return self._entering(torch.cuda.use_mem_pool(self._pool))
+
+    @contextlib.contextmanager
+    def _entering(self, ctx: AbstractContextManager[Any]) -> Iterator[Any]:
+        self._entered = True
+        with ctx as got:
+            yield got
+
+    def context_entered(self) -> bool:
+        return self._entered
+
+    def allocations(self) -> list[tuple[int, int]]:
+        """``(address, bytes)`` of the private pool's segments (what was allocated in it)."""
+        if self._pool is None:
+            return []
+        return [(int(s["address"]), int(s["total_size"])) for s in self._pool.snapshot(False)]
+
+    def describe(self) -> str:
+        return "the CUDA IPC region (a private torch.cuda.MemPool)"
 
     def _owner(self) -> str:
         """The heartbeat segment standing for this producer (created once)."""

@@ -156,21 +156,28 @@ def unlink_quiet(name: str) -> bool:
         return False
 
 
-def _no_room(what: str, err: OSError) -> KVTransferError:
+#: what a full /dev/shm error suggests by default
+NO_ROOM_ADVICE = (
+    "enlarge it (Docker: --shm-size), lower the shared-memory backend's max_bytes, or use "
+    "another backend"
+)
+
+
+def _no_room(what: str, err: OSError, advice: str = NO_ROOM_ADVICE) -> KVTransferError:
     try:
         st = os.statvfs(SHM_DIR)
         free = f"{st.f_bavail * st.f_frsize} bytes free"
     except OSError:
         free = "free space unknown"
-    return KVTransferError(
-        f"{SHM_DIR} has no room for {what} ({free}; {err.strerror}): enlarge it (Docker: "
-        "--shm-size), lower the shared-memory backend's max_bytes, or use another backend"
-    )
+    return KVTransferError(f"{SHM_DIR} has no room for {what} ({free}; {err.strerror}): {advice}")
 
 
-def _create_file(name: str, size: int, head: bytes = b"") -> int:
+def _create_file(
+    name: str, size: int, head: bytes = b"", what: str = "", advice: str = NO_ROOM_ADVICE
+) -> int:
     """Create an owner-only file of ``size`` bytes whose pages are reserved up front, so a
-    full ``/dev/shm`` is an error here rather than a SIGBUS when the bytes are written.
+    full ``/dev/shm`` is an error here rather than a SIGBUS when the bytes are written
+    (``KVTransferError`` naming ``what`` the file is for and the ``advice``).
     ``head`` is written first, so a sweeper sees a segment's heartbeat from the start."""
     fd = os.open(path(name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
@@ -183,7 +190,7 @@ def _create_file(name: str, size: int, head: bytes = b"") -> int:
         os.close(fd)
         unlink_quiet(name)
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.ENOMEM):
-            raise _no_room(f"a {size}-byte segment", e) from None
+            raise _no_room(what or f"a {size}-byte segment", e, advice) from None
         raise
     return fd
 

@@ -5,7 +5,10 @@ host (``vllm.v1.worker.utils.allocate_kv_cache``); inside
 :meth:`ShmCacheRegion.allocation_context` that call returns a tensor over a new arena
 segment ``omnikv_seg_<pid>_<ns>_kv<id>`` instead (bytes at offset 4096; the slot header
 before them carries the heartbeat, so the sweeper removes the file of a dead
-producer). Any other allocation in the context is left alone.
+producer). Any other allocation in the context is left alone. Where the segment cannot
+be created (a small ``/dev/shm``), vLLM's own allocation runs and
+:attr:`~ShmCacheRegion.unavailable_reason` says why; where vLLM allocated the cache
+elsewhere, :meth:`~ShmCacheRegion.check_placement` raises ``ConfigError``.
 
 Holds (:class:`HoldFiles`, also used by the CUDA IPC region): one file per payload,
 ``omnikv_hold_<ns>_<digest of edge and key>``, owner-only, naming the cache segment. A
@@ -49,6 +52,8 @@ from vllm_omni_kv.logger import init_logger
 
 logger = init_logger(__name__)
 
+#: what a producer appends to a hold file whose blocks were freed (see HoldFiles.revoke)
+REVOKED = b"\0revoked"
 #: where the KV bytes start in a cache segment (one page after the slot header)
 KV_OFFSET = 4096
 
@@ -92,6 +97,18 @@ class HoldFiles:
             self._mine.discard(hold)
         return True
 
+    def revoke(self, hold: str) -> None:
+        """Append :data:`REVOKED` to the hold file: a reader copying under it checks the
+        file after its copy and fails (the lock is advisory, so this never waits)."""
+        try:
+            fd = os.open(arena.path(hold), os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW)
+        except OSError:
+            return  # gone: released or taken back, nobody reads under it
+        try:
+            os.write(fd, REVOKED)
+        finally:
+            os.close(fd)
+
     def take_back(self, hold: str) -> bool:
         try:
             fd = os.open(arena.path(hold), os.O_RDONLY | os.O_NOFOLLOW)
@@ -126,13 +143,19 @@ class HoldFiles:
             ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
-            if not os.fstat(fd).st_nlink:
+            st = os.fstat(fd)
+            if not st.st_nlink:
                 raise KVTransferError(
                     "the producer took back this payload's blocks as the copy began (its "
                     "lease ran out): the request is recomputed"
                 )
             try:
                 yield
+                if os.fstat(fd).st_size != st.st_size:  # revoked while we copied
+                    raise KVTransferError(
+                        "the producer's request was preempted while its blocks were copied "
+                        "(they may be reused): the request is recomputed"
+                    )
             finally:
                 arena.unlink_quiet(hold)
         finally:
@@ -153,6 +176,7 @@ class ShmCacheRegion(HoldFiles, CacheRegion):
     """A host KV cache in a shared-memory file (producer) / mappings of them (consumer)."""
 
     kind = "shm"
+    off_switch = "set backend_extra.share_cache: false (packed payloads)"
 
     def __init__(self, namespace: str, producer: ProducerArena, stale_s: float) -> None:
         super().__init__(namespace)
@@ -160,26 +184,35 @@ class ShmCacheRegion(HoldFiles, CacheRegion):
         self.stale_s = stale_s
         self.tensor: torch.Tensor | None = None
         self._seg: arena.Segment | None = None
+        self._context: AllocateHostCache | None = None
         self._maps: dict[str, tuple[int, mmap.mmap, torch.Tensor]] = {}  # consumer side
         self._maps_lock = threading.Lock()
 
     # -- producer ------------------------------------------------------------------------
     def allocation_context(self) -> AllocateHostCache:
-        return AllocateHostCache(self.allocate)
+        self._context = AllocateHostCache(self.allocate)
+        return self._context
 
-    def allocate(self, nbytes: int) -> torch.Tensor:
-        """A zeroed ``int8`` tensor of ``nbytes`` in a new cache segment of this process."""
+    def context_entered(self) -> bool:
+        return self._context is not None and self._context.entered
+
+    def describe(self) -> str:
+        if self._seg is None:
+            return "the shared-memory cache region (no segment)"
+        return f"the shared-memory cache region {arena.path(self._seg.name)}"
+
+    def allocate(self, nbytes: int) -> torch.Tensor | None:
+        """A zeroed ``int8`` tensor of ``nbytes`` in a new cache segment of this process;
+        None, with :attr:`unavailable_reason` set, where the segment cannot be created."""
         name = f"{arena.SEG_PREFIX}{os.getpid()}_{self.tag}_kv{uuid.uuid4().hex[:14]}"
-        head = np.zeros(arena.SLOT_WORDS, dtype="<u8")
-        head[[W_OWNER, W_BEAT, W_PIDNS]] = (self.producer.instance, now_ms(), pid_namespace())
-        fd = arena._create_file(name, KV_OFFSET + nbytes, head.tobytes())
         try:
-            mm = mmap.mmap(fd, KV_OFFSET + nbytes, flags=mmap.MAP_SHARED | arena.POPULATE)
-        except BaseException:
-            arena.unlink_quiet(name)
-            raise
-        finally:
-            os.close(fd)
+            mm = self._map_segment(name, nbytes)
+        except KVTransferError as e:  # no room: arena._create_file's posix_fallocate
+            self.unavailable_reason = str(e)
+            return None
+        except OSError as e:
+            self.unavailable_reason = f"cannot create {arena.path(name)}: {e}"
+            return None
         arena.pin_map(mm)
         self._seg = arena.Segment(name, nbytes, mm)
         self.producer.adopt(self._seg)
@@ -191,6 +224,27 @@ class ShmCacheRegion(HoldFiles, CacheRegion):
             arena.path(name),
         )
         return self.tensor
+
+    def _map_segment(self, name: str, nbytes: int) -> mmap.mmap:
+        """Create cache segment ``name`` for ``nbytes`` of KV cache (its pages reserved) and
+        map it; ``KVTransferError`` when ``/dev/shm`` has no room for it."""
+        head = np.zeros(arena.SLOT_WORDS, dtype="<u8")
+        head[[W_OWNER, W_BEAT, W_PIDNS]] = (self.producer.instance, now_ms(), pid_namespace())
+        fd = arena._create_file(
+            name,
+            KV_OFFSET + nbytes,
+            head.tobytes(),
+            f"the {nbytes / 2**20:.1f} MiB KV cache",
+            "enlarge it (Docker: --shm-size) or give vLLM a smaller KV cache "
+            "(kv_cache_memory_bytes)",
+        )
+        try:
+            return mmap.mmap(fd, KV_OFFSET + nbytes, flags=mmap.MAP_SHARED | arena.POPULATE)
+        except BaseException:
+            arena.unlink_quiet(name)
+            raise
+        finally:
+            os.close(fd)
 
     def export(self, caches: Sequence[torch.Tensor]) -> tuple[dict[str, Any], int, int] | None:
         if self.tensor is None or self._seg is None or not caches:

@@ -78,6 +78,8 @@ class TECacheRegion(CacheRegion):
     """A KV cache registered with the connector's engine (both roles); its ``kind`` (named
     in payloads) is the connector's backend name: ``mooncake_te`` or ``nixl``."""
 
+    off_switch = "set backend_extra.register_cache: false (packed payloads)"
+
     def __init__(self, conn: PullTransferConnector) -> None:
         self.conn = conn
         self.kind = conn.backend_name
