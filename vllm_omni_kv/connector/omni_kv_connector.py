@@ -35,6 +35,7 @@ from vllm_omni_kv.connector.metadata import OmniKVConnectorMetadata
 from vllm_omni_kv.connector.scheduler import OmniKVScheduler
 from vllm_omni_kv.connector.stats import OmniKVConnectorStats
 from vllm_omni_kv.connector.worker import OmniKVWorker
+from vllm_omni_kv.logger import init_logger
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -51,6 +52,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+logger = init_logger(__name__)
 
 
 class OmniKVConnector(KVConnectorBase_V1):
@@ -218,7 +221,11 @@ class OmniKVConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        return self.scheduler_half.get_num_new_matched_tokens(request, num_computed_tokens)
+        try:
+            return self.scheduler_half.get_num_new_matched_tokens(request, num_computed_tokens)
+        except Exception:  # one request computes locally; vLLM's scheduler keeps running
+            logger.exception("request %s: remote KV lookup failed", request.request_id)
+            return 0, False
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int

@@ -35,6 +35,11 @@ from vllm_omni_kv.connector.metadata import (
     prompt_digest,
     transfer_id,
 )
+from vllm_omni_kv.connector.remote_params import (
+    RemoteParams,
+    RemoteParamsError,
+    parse_remote_params,
+)
 from vllm_omni_kv.logger import init_logger
 
 if TYPE_CHECKING:
@@ -48,16 +53,6 @@ logger = init_logger(__name__)
 
 #: ``omni_kv_load`` of a request whose prompt was cached here: nothing was pulled
 LOCAL_HIT = {"ok": True, "tokens": 0, "bytes": 0, "seconds": 0.0, "error": "", "local_hit": True}
-
-#: Fields a consumer needs in ``kv_transfer_params`` to find the payload.
-REQUIRED_REMOTE_FIELDS = ("remote_engine_id", "remote_request_id")
-
-
-def _int_or_none(value: Any) -> int | None:
-    try:
-        return int(value) if value is not None else None
-    except (TypeError, ValueError):
-        return None
 
 
 class OmniKVScheduler:
@@ -97,47 +92,39 @@ class OmniKVScheduler:
             return None
         return params
 
-    def _has_remote_fields(self, request: Request, params: dict[str, Any]) -> bool:
-        """True when ``params`` name a payload this consumer may load (logs why not)."""
-        missing = [f for f in REQUIRED_REMOTE_FIELDS if not params.get(f)]
-        if missing:
+    def _remote_params(self, request: Request, params: dict[str, Any]) -> RemoteParams | None:
+        """The payload ``params`` name, if this consumer may load it (logs why not)."""
+        try:
+            remote = parse_remote_params(params, self.tp_size)
+        except RemoteParamsError as e:
             logger.warning(
-                "request %s: kv_transfer_params with do_remote_prefill lack %s; its prompt is "
-                "computed locally. Pass the kv_transfer_params the producer returned unchanged.",
+                "request %s: kv_transfer_params with do_remote_prefill are invalid (%s); its "
+                "prompt is computed locally. Pass the kv_transfer_params the producer "
+                "returned unchanged.",
                 request.request_id,
-                missing,
+                e,
             )
-            return False
-        host, port = params.get("remote_host"), _int_or_none(params.get("remote_port"))
-        if not self.cfg.trusted_producers.allows(host if isinstance(host, str) else None, port):
+            return None
+        if not self.cfg.trusted_producers.allows(remote.host, remote.port):
             logger.warning(
                 "request %s: kv_transfer_params name producer %s:%s, which is not in "
                 "kv_connector_extra_config.trusted_producers; its prompt is computed locally",
                 request.request_id,
-                host,
-                port,
+                remote.host,
+                remote.port,
             )
-            return False
-        return True
+            return None
+        return remote
 
     @staticmethod
-    def _remote_tid(params: dict[str, Any]) -> str:
-        tid = params.get("remote_transfer_id")
-        if isinstance(tid, str) and tid:
-            return tid
-        return transfer_id(str(params["remote_engine_id"]), str(params["remote_request_id"]))
-
-    def _remote(self, request: Request, params: dict[str, Any]) -> RemotePayload:
+    def _remote(request: Request, remote: RemoteParams) -> RemotePayload:
         return RemotePayload(
             req_id=request.request_id,
-            transfer_id=self._remote_tid(params),
-            source_tp_size=_int_or_none(params.get("tp_size")),
-            remote_host=params.get("remote_host"),
-            remote_port=_int_or_none(params.get("remote_port")),
+            transfer_id=remote.transfer_id,
+            source_tp_size=remote.tp_size,
+            remote_host=remote.host,
+            remote_port=remote.port,
         )
-
-    def _discard(self, request: Request, params: dict[str, Any]) -> None:
-        self._discards.append(self._remote(request, params))
 
     # -- vLLM scheduler-side API ----------------------------------------------------------
     def on_new_request(self, request: Request) -> None:
@@ -151,12 +138,13 @@ class OmniKVScheduler:
         params = self._wants_remote_prefill(request)
         if params is None or not self.is_consumer:
             return 0, False
-        if not self._has_remote_fields(request, params):
+        remote = self._remote_params(request, params)
+        if remote is None:
             return 0, False
         count = int(request.num_prompt_tokens) - int(num_computed_tokens)
         if count > self.block_size:
             if request.request_id not in self._waiting:  # until its blocks are allocated
-                self._waiting[request.request_id] = self._remote(request, params)
+                self._waiting[request.request_id] = self._remote(request, remote)
             return count, True
         # A full local hit: vLLM recomputes at least the prompt's last token, so what is
         # missing lies in the last block; computing it here is cheaper than a transfer,
@@ -170,7 +158,8 @@ class OmniKVScheduler:
         params = self._wants_remote_prefill(request)
         if params is None or not self.is_consumer:
             return
-        if not self._has_remote_fields(request, params):
+        remote = self._remote_params(request, params)
+        if remote is None:
             params["do_remote_prefill"] = False
             return
         if num_external_tokens > 0:
@@ -178,21 +167,21 @@ class OmniKVScheduler:
             num_prompt = int(request.num_prompt_tokens)
             spec = LoadSpec(
                 req_id=request.request_id,
-                transfer_id=self._remote_tid(params),
+                transfer_id=remote.transfer_id,
                 block_ids=block_ids,
                 num_local_tokens=num_prompt - int(num_external_tokens),
                 num_load_tokens=int(num_external_tokens),
                 num_prompt_tokens=num_prompt,
                 prompt_digest=prompt_digest(request.prompt_token_ids),
-                source_tp_size=_int_or_none(params.get("tp_size")),
-                remote_host=params.get("remote_host"),
-                remote_port=_int_or_none(params.get("remote_port")),
+                source_tp_size=remote.tp_size,
+                remote_host=remote.host,
+                remote_port=remote.port,
             )
             self._new_loads.append(spec)
             self._loading[request.request_id] = spec
         else:
             # Everything but the last block is cached locally: release the producer's copy.
-            self._discard(request, params)
+            self._discards.append(self._remote(request, remote))
             self._local_hits.add(request.request_id)
         # One transfer per request, even if it is preempted and rescheduled later.
         params["do_remote_prefill"] = False
@@ -297,8 +286,11 @@ class OmniKVScheduler:
             res = self._load_results.pop(req_id, None)
             return False, {"omni_kv_load": res if res is not None else {"ok": False}}
         params = self._wants_remote_prefill(request)
-        if params is not None and self.is_consumer and self._has_remote_fields(request, params):
+        remote = None
+        if params is not None and self.is_consumer:
+            remote = self._remote_params(request, params)
+        if params is not None and remote is not None:
             # Finished (aborted) before its blocks were allocated: drop the payload.
-            self._discard(request, params)
+            self._discards.append(self._remote(request, remote))
             params["do_remote_prefill"] = False
         return False, None
