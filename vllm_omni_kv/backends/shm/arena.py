@@ -76,7 +76,7 @@ from vllm_omni_kv.backends.shm.liveness import (
     pid_alive,
     pid_namespace,
 )
-from vllm_omni_kv.errors import KVTransferError
+from vllm_omni_kv.errors import KVPayloadError, KVTransferError
 from vllm_omni_kv.logger import init_logger
 
 logger = init_logger(__name__)
@@ -98,6 +98,8 @@ PREFIX = "omnikv_"
 SEG_PREFIX = PREFIX + "seg_"
 IDX_PREFIX = PREFIX + "idx_"
 HOLD_PREFIX = PREFIX + "hold_"
+#: the largest index entry a reader accepts (inline frames: ``shm_threshold_bytes`` <= it)
+MAX_INDEX_BYTES = 16 << 20
 SLOT_WORDS = 8  # state, generation, progress, abandoned, owner, beat, pidns, reader: u64 each
 DATA_OFFSET = 64
 FREE, PUBLISHED, ONESHOT, STREAMING, ABORTED = 0, 1, 2, 3, 4
@@ -272,16 +274,54 @@ def close_map(mm: mmap.mmap) -> None:
         pass
 
 
+def read_entry(name: str) -> bytes:
+    """The bytes of index entry ``name``, opened defensively: never following a link,
+    never blocking (a FIFO), and only a regular file of this user of at most
+    :data:`MAX_INDEX_BYTES`; ``KVPayloadError`` otherwise, ``FileNotFoundError`` when
+    absent."""
+    fd = os.open(path(name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            raise KVPayloadError(
+                f"shared-memory index entry {name} is not a regular file of this user: "
+                "refused (someone else wrote into /dev/shm)"
+            )
+        if st.st_size > MAX_INDEX_BYTES:
+            raise KVPayloadError(
+                f"shared-memory index entry {name} holds {st.st_size} bytes, over the "
+                f"{MAX_INDEX_BYTES}-byte bound of an entry: refused"
+            )
+        chunks, left = [], st.st_size
+        while left > 0:
+            chunk = os.read(fd, left)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    except OSError as e:
+        if isinstance(e, FileNotFoundError):
+            raise
+        raise KVPayloadError(f"cannot read shared-memory index entry {name}: {e}") from e
+    finally:
+        os.close(fd)
+
+
 def claim_index(name: str) -> bytes | None:
-    """Atomically take the index entry ``name``; None when absent."""
+    """Atomically take the index entry ``name``; None when absent. ``KVPayloadError`` for
+    an entry that is no regular file of this user (see :func:`read_entry`)."""
     claimed = f"{name}.claim{os.getpid()}_{uuid.uuid4().hex[:12]}"
     try:
         os.rename(path(name), path(claimed))
     except FileNotFoundError:
         return None
     try:
-        with open(path(claimed), "rb") as f:
-            return f.read()
+        return read_entry(claimed)
+    except FileNotFoundError:
+        return None
+    except OSError as e:  # O_NOFOLLOW on a link: ELOOP
+        raise KVPayloadError(f"shared-memory index entry {name} refused: {e}") from e
     finally:
         unlink_quiet(claimed)
 
@@ -296,8 +336,7 @@ def _owner_pid(name: str) -> int | None:
         if ".claim" in name:
             return int(name.split(".claim", 1)[1].split("_", 1)[0])
         if name.startswith(IDX_PREFIX) and ".tmp" not in name:
-            with open(path(name), "rb") as f:
-                entry = f.read()
+            entry = read_entry(name)
             if entry[:1] in (b"R", b"S"):
                 return int(msgpack.unpackb(entry[1:])["pid"])
             owner = inline_owner(entry)
@@ -338,8 +377,10 @@ def inline_owner(entry: bytes) -> tuple[int, int] | None:
 
 def _hold_segment(name: str) -> str | None:
     """The cache segment a hold file names; None while it is being written (or not ours)."""
-    with open(path(name), "rb") as f:
-        seg = f.read(256).decode("ascii", "replace")
+    try:
+        seg = read_entry(name)[:256].decode("ascii", "replace")
+    except KVPayloadError:
+        return None
     return seg if seg.startswith(SEG_PREFIX) and "/" not in seg else None
 
 
@@ -357,8 +398,10 @@ def _orphaned(name: str, st: os.stat_result, stale_s: float) -> bool:
             return time.time() - st.st_ctime > stale_s  # being created, or not ours
         return _segment_orphaned(seg, _owner_pid(seg), stale_s)
     if name.startswith(IDX_PREFIX):
-        with open(path(name), "rb") as f:
-            entry = f.read()
+        try:
+            entry = read_entry(name)
+        except KVPayloadError:
+            return False  # not ours to judge (another user's, a link, a FIFO)
         if entry[:1] not in (b"R", b"S"):
             owner = inline_owner(entry)  # gone with its producer; in another PID namespace
             if owner is None or owner[1] != pid_namespace():  # a pid there means nothing,

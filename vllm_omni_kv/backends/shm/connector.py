@@ -112,10 +112,10 @@ class SharedMemoryConnector(OmniConnectorBase):
             self.stale_s = float(self.config.get("heartbeat_stale_s", arena.STALE_S))
         except (TypeError, ValueError) as e:
             raise ConfigError(f"SharedMemoryConnector: bad numeric setting: {e}") from None
-        if self.threshold < 0 or self.ttl <= 0 or pool_max < 0:
+        if not 0 <= self.threshold <= arena.MAX_INDEX_BYTES or self.ttl <= 0 or pool_max < 0:
             raise ConfigError(
-                "SharedMemoryConnector: shm_threshold_bytes and pool_max_bytes must be >= 0 "
-                "and ttl_seconds > 0"
+                "SharedMemoryConnector: shm_threshold_bytes must be within "
+                f"[0, {arena.MAX_INDEX_BYTES}], pool_max_bytes >= 0 and ttl_seconds > 0"
             )
         if not self.stale_s >= 3 * arena.HEARTBEAT_S:
             raise ConfigError(

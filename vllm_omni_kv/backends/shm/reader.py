@@ -159,10 +159,11 @@ def producer_alive(seg: arena.Segment, ref: Ref, maps: ConsumerMaps) -> bool:
 def peek_index(name: str) -> bytes | None:
     """The index entry ``name`` without claiming it; None when absent."""
     try:
-        with open(arena.path(name), "rb") as f:
-            return f.read()
+        return arena.read_entry(name)
     except FileNotFoundError:
         return None
+    except OSError as e:  # O_NOFOLLOW on a link: ELOOP
+        raise KVPayloadError(f"shared-memory index entry {name} refused: {e}") from e
 
 
 @dataclass

@@ -1,0 +1,94 @@
+"""Files planted in ``/dev/shm`` under the name of a payload a consumer will claim: a
+link to forged KV, a FIFO, a file of another user, a sparse giant. Each is refused at
+once with ``KVPayloadError`` (the load fails and vLLM recomputes): nothing is followed,
+nothing blocks, nothing is read whole."""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from vllm_omni_kv import KVCacheTransferData, SharedMemoryConnector
+from vllm_omni_kv.backends.shm import arena
+from vllm_omni_kv.backends.shm.connector import index_name
+from vllm_omni_kv.errors import KVPayloadError
+
+NOBODY = 65534
+
+
+@pytest.fixture
+def ns() -> Iterator[str]:
+    name = f"hostile{uuid.uuid4().hex[:8]}"
+    yield name
+    for f in arena.namespace_files(name):
+        arena.unlink_quiet(f)
+
+
+def _open_within(conn: SharedMemoryConnector, key: str, seconds: float = 10.0) -> BaseException:
+    """``open_stream`` on another thread; the error it raised (a hang fails the test)."""
+    got: list[BaseException | object] = []
+
+    def run() -> None:
+        try:
+            got.append(conn.open_stream("0", "1", key))
+        except BaseException as e:
+            got.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), "open_stream blocked on a planted file"
+    assert isinstance(got[0], BaseException), f"planted file accepted: {got[0]!r}"
+    return got[0]
+
+
+def _plant(ns: str, key: str) -> Path:
+    return Path(arena.path(index_name(ns, "0", "1", key)))
+
+
+def test_a_link_to_a_real_payload_is_not_followed(ns: str, tmp_path: Path) -> None:
+    with (
+        SharedMemoryConnector({"namespace": ns}) as tx,
+        SharedMemoryConnector({"namespace": ns}) as rx,
+    ):
+        kv = torch.arange(4096, dtype=torch.float32).reshape(1, 4096)
+        tx.put("0", "1", "real", KVCacheTransferData("r", {"k": [kv]}, [0], {}))
+        forged = tmp_path / "forged"
+        forged.write_bytes(_plant(ns, "real").read_bytes())
+        _plant(ns, "victim").symlink_to(forged)
+        err = _open_within(rx, "victim")
+        assert isinstance(err, KVPayloadError), err
+        got = rx.get("0", "1", "real")  # the producer's own entry still loads
+        assert got is not None
+
+
+def test_a_fifo_does_not_block_the_load(ns: str) -> None:
+    with SharedMemoryConnector({"namespace": ns}) as rx:
+        os.mkfifo(_plant(ns, "fifo"), 0o600)
+        assert isinstance(_open_within(rx, "fifo"), KVPayloadError)
+
+
+def test_a_file_of_another_user_is_refused(ns: str) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to plant a file owned by another user")
+    with SharedMemoryConnector({"namespace": ns}) as rx:
+        planted = _plant(ns, "other")
+        planted.write_bytes(b"R" + b"\0" * 64)
+        os.chown(planted, NOBODY, NOBODY)
+        err = _open_within(rx, "other")
+        assert isinstance(err, KVPayloadError) and "this user" in str(err), err
+
+
+def test_a_sparse_giant_is_not_read(ns: str) -> None:
+    with SharedMemoryConnector({"namespace": ns}) as rx:
+        planted = _plant(ns, "giant")
+        with open(planted, "wb") as f:
+            f.truncate(1 << 30)  # 1 GiB, no pages behind it
+        err = _open_within(rx, "giant")
+        assert isinstance(err, KVPayloadError) and "bound" in str(err), err
