@@ -1,4 +1,5 @@
-"""``OmniKVCacheConfig``: the manager's settings, and parsing of vllm-omni stage configs."""
+"""``OmniKVCacheConfig``: the manager's settings, and parsing of vllm-omni stage configs
+and of vLLM's ``kv_transfer_config``."""
 
 from __future__ import annotations
 
@@ -9,8 +10,17 @@ from vllm_omni_kv.backends.factory import OmniConnectorFactory
 from vllm_omni_kv.backends.spec import ConnectorSpec
 from vllm_omni_kv.errors import ConfigError
 from vllm_omni_kv.transfer.session import DEFAULT_MAX_PART_BYTES
+from vllm_omni_kv.wire.auth import AuthKey
 
-__all__ = ["DEFAULT_MAX_PART_BYTES", "OmniKVCacheConfig", "config_from_omni_kv", "field_of"]
+__all__ = [
+    "DEFAULT_MAX_PART_BYTES",
+    "OmniKVCacheConfig",
+    "config_from_omni_kv",
+    "config_from_stage",
+    "config_from_vllm",
+    "connector_spec",
+    "field_of",
+]
 
 
 @dataclass
@@ -120,6 +130,48 @@ def config_from_omni_kv(kv: Any, stage_id: Any = None) -> OmniKVCacheConfig:
         max_poll_interval=float(field_of(kv, "max_poll_interval", 0.02)),
         auth_key_file=field_of(kv, "auth_key_file"),
     )
+
+
+def config_from_stage(config: Any) -> OmniKVCacheConfig:
+    """The settings of a stage config carrying ``omni_kv_config`` (defaults without one)."""
+    kv = field_of(config, "omni_kv_config")
+    if kv is None:
+        return OmniKVCacheConfig()
+    return config_from_omni_kv(kv, stage_id=field_of(config, "stage_id"))
+
+
+def config_from_vllm(vllm_config: Any, model_config: Any) -> OmniKVCacheConfig:
+    """``model_config.omni_kv_config``, else ``kv_transfer_config``'s
+    ``kv_connector_extra_config`` (``omni_connector_config`` plus the stage keys; the
+    send/receive sides default from ``kv_role``); defaults without either."""
+    if model_config is not None and field_of(model_config, "omni_kv_config") is not None:
+        return config_from_stage(model_config)
+    ktc = field_of(vllm_config, "kv_transfer_config")
+    extra = dict(field_of(ktc, "kv_connector_extra_config") or {}) if ktc is not None else {}
+    if "omni_connector_config" not in extra:
+        return OmniKVCacheConfig()
+    kv = {**extra, "connector_config": extra["omni_connector_config"]}
+    role = field_of(ktc, "kv_role")
+    kv.setdefault("need_send_cache", role in ("kv_producer", "kv_both"))
+    kv.setdefault("need_recv_cache", role in ("kv_consumer", "kv_both"))
+    return config_from_omni_kv(kv)
+
+
+def connector_spec(config: OmniKVCacheConfig, auth: AuthKey | None = None) -> ConnectorSpec:
+    """The backend to start from ``config.connector_config``; ``auth`` (the shared secret)
+    becomes its ``auth_key`` unless the connector config sets one."""
+    cc = config.connector_config
+    if not cc:
+        raise ConfigError(
+            "no connector configured: set connector_config={'type': 'SharedMemoryConnector', ...}"
+        )
+    cc = dict(cc)
+    if auth is not None:  # the backend's side channel uses the same key
+        cc.setdefault("auth_key", auth)
+    name = cc.pop("type", None) or cc.pop("name", None)
+    if not name:
+        raise ConfigError("connector_config.type is missing (e.g. 'SharedMemoryConnector')")
+    return ConnectorSpec(str(name), cc)
 
 
 def _opt_str(v: Any) -> str | None:

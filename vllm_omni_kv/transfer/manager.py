@@ -7,14 +7,12 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 from vllm_omni_kv.backends.base import OmniConnectorBase
 from vllm_omni_kv.backends.factory import OmniConnectorFactory
-from vllm_omni_kv.backends.spec import ConnectorSpec
 from vllm_omni_kv.errors import (
     BackendUnavailable,
     ConfigError,
@@ -35,8 +33,14 @@ from vllm_omni_kv.kvcache.paged_blocks import blocks_to_tokens, is_block_payload
 from vllm_omni_kv.kvcache.token_major import extract_request_kv, to_device, trim_to_num_tokens
 from vllm_omni_kv.logger import init_logger
 from vllm_omni_kv.transfer import distributed
-from vllm_omni_kv.transfer.kv_config import OmniKVCacheConfig, config_from_omni_kv, field_of
+from vllm_omni_kv.transfer.kv_config import (
+    OmniKVCacheConfig,
+    config_from_stage,
+    config_from_vllm,
+    connector_spec,
+)
 from vllm_omni_kv.transfer.parts import part_layer_count
+from vllm_omni_kv.transfer.request_kv import attach_extras, attach_kv, cfg_request_ids
 from vllm_omni_kv.transfer.session import SessionPolicy, TransferSession, sender_endpoint
 from vllm_omni_kv.wire.auth import key_from_config
 from vllm_omni_kv.wire.payload import KVCacheTransferData
@@ -77,10 +81,7 @@ class OmniKVTransferManager:
     @classmethod
     def from_od_config(cls, config: Any) -> OmniKVTransferManager:
         """Create from a stage config carrying ``omni_kv_config`` (model or OmniDiffusion config)."""
-        kv = field_of(config, "omni_kv_config")
-        if kv is None:
-            return cls(OmniKVCacheConfig())
-        return cls(config_from_omni_kv(kv, stage_id=field_of(config, "stage_id")))
+        return cls(config_from_stage(config))
 
     from_model_config = from_od_config
 
@@ -88,17 +89,7 @@ class OmniKVTransferManager:
     def from_vllm_config(cls, vllm_config: Any, model_config: Any) -> OmniKVTransferManager:
         """Create from ``model_config.omni_kv_config``, else from ``kv_transfer_config``'s
         ``kv_connector_extra_config`` (``omni_connector_config`` plus the stage keys)."""
-        if model_config is not None and field_of(model_config, "omni_kv_config") is not None:
-            return cls.from_od_config(model_config)
-        ktc = field_of(vllm_config, "kv_transfer_config")
-        extra = dict(field_of(ktc, "kv_connector_extra_config") or {}) if ktc is not None else {}
-        if "omni_connector_config" not in extra:
-            return cls(OmniKVCacheConfig())
-        kv = {**extra, "connector_config": extra["omni_connector_config"]}
-        role = field_of(ktc, "kv_role")
-        kv.setdefault("need_send_cache", role in ("kv_producer", "kv_both"))
-        kv.setdefault("need_recv_cache", role in ("kv_consumer", "kv_both"))
-        return cls(config_from_omni_kv(kv))
+        return cls(config_from_vllm(vllm_config, model_config))
 
     # -- connector lifecycle ---------------------------------------------------------------
     @property
@@ -113,24 +104,12 @@ class OmniKVTransferManager:
                 raise BackendUnavailable(
                     f"the KV connector failed to start earlier: {self.connector_error}"
                 ) from self.connector_error
-            cc = self.config.connector_config
-            if not cc:
-                raise ConfigError(
-                    "no connector configured: set connector_config={'type': 'SharedMemoryConnector', ...}"
-                )
-            cc = dict(cc)
-            if self.auth is not None:  # the backend's side channel uses the same key
-                cc.setdefault("auth_key", self.auth)
-            name = cc.pop("type", None) or cc.pop("name", None)
-            if not name:
-                raise ConfigError("connector_config.type is missing (e.g. 'SharedMemoryConnector')")
+            spec = connector_spec(self.config, self.auth)
             try:
-                self._connector = OmniConnectorFactory.create_connector(
-                    ConnectorSpec(str(name), cc)
-                )
+                self._connector = OmniConnectorFactory.create_connector(spec)
             except Exception as e:
                 self.connector_error = e
-                logger.error("KV connector %s failed to start: %s", name, e)
+                logger.error("KV connector %s failed to start: %s", spec.name, e)
                 raise
             if self._sender_base is not None:
                 self._push_sender_info()
@@ -390,25 +369,9 @@ class OmniKVTransferManager:
         return True
 
     def apply_kv_cache_to_request(self, req: Any, data: dict[str, Any]) -> None:
-        """Attach received KV to ``req``.
-
-        Sets ``req.past_key_values`` (with ``key_cache``/``value_cache`` lists of
-        ``[seq, heads, dim]`` tensors) and ``req.kv_metadata``; mirrors both onto
-        ``req.sampling_params`` when the request has one.
-        """
-        blocks = data.get("layer_blocks", {})
-        pkv = SimpleNamespace(
-            key_cache=blocks.get("key_cache", []),
-            value_cache=blocks.get("value_cache", []),
-            request_id=data.get("request_id"),
-            block_ids=data.get("block_ids", []),
-        )
-        meta = data.get("metadata", {})
-        for target in (req, getattr(req, "sampling_params", None)):
-            if target is None:
-                continue
-            target.past_key_values = pkv
-            target.kv_metadata = meta
+        """Set ``req.past_key_values`` (``key_cache``/``value_cache`` lists of ``[seq, heads,
+        dim]`` tensors) and ``req.kv_metadata``, mirrored onto ``req.sampling_params``."""
+        attach_kv(req, data)
 
     def receive_multi_kv_cache(
         self,
@@ -419,7 +382,7 @@ class OmniKVTransferManager:
         """Receive the primary KV, then CFG companions through ``cfg_kv_collect_func``."""
         ok, extras = self.receive_primary_and_companions(req, cfg_kv_collect_func, target_device)
         if ok and extras:
-            _attach_extras(req, extras)
+            attach_extras(req, extras)
         return ok
 
     def receive_primary_and_companions(
@@ -428,7 +391,7 @@ class OmniKVTransferManager:
         """The primary KV attached to ``req``, and what ``func`` collects for its CFG companions."""
         if not self.receive_kv_cache(req, target_device):
             return False, {}
-        cfg_ids = _cfg_request_ids(req)
+        cfg_ids = cfg_request_ids(req)
         if not cfg_ids or func is None:
             return True, {}
         try:
@@ -450,17 +413,3 @@ class OmniKVTransferManager:
         return distributed.receive_multi_distributed(
             self, req, cfg_kv_collect_func, target_device, tp_size=tp_size
         )
-
-
-def _cfg_request_ids(req: Any) -> list[str] | None:
-    for src in (req, getattr(req, "sampling_params", None)):
-        ids = getattr(src, "cfg_kv_request_ids", None) if src is not None else None
-        if ids:
-            return [str(i) for i in ids]
-    return None
-
-
-def _attach_extras(req: Any, extras: dict[str, Any]) -> None:
-    target = getattr(req, "sampling_params", None) or req
-    for k, v in extras.items():
-        setattr(target, k, v)

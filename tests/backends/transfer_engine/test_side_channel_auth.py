@@ -233,3 +233,43 @@ def test_mooncake_te_pulls_only_with_the_same_key() -> None:
     finally:
         for c in (good, wrong, bare, sender):
             c.close()
+
+
+def test_a_flood_of_releases_does_not_lock_acquires_out() -> None:
+    calls: list[str] = []
+
+    def handle(msg: dict[str, Any]) -> dict[str, Any]:
+        calls.append(str(msg.get("op")))
+        return {"ok": True}
+
+    server = SideChannelServer("127.0.0.1", 0, handle, max_rate=5.0)
+    try:
+        endpoint = f"tcp://127.0.0.1:{server.port}"
+        for _ in range(50):  # releases are answered always and cost nothing
+            assert _plain_reply(_raw(endpoint, pack({"op": "release"})))["ok"]
+        assert _plain_reply(_raw(endpoint, pack({"op": "acquire"})))["ok"], "locked out"
+        for _ in range(10):  # acquires do drain it: the bucket still limits them
+            _raw(endpoint, pack({"op": "acquire"}))
+        assert _plain_reply(_raw(endpoint, pack({"op": "acquire"})))["reason"] == "busy"
+    finally:
+        server.close()
+
+
+def test_refused_requests_are_charged_to_the_bucket(keyed: _Server) -> None:
+    endpoint = f"tcp://127.0.0.1:{keyed.server.port}"
+    keyed.server._rate = keyed.server._tokens = 5.0
+    for _ in range(20):  # wrong key: refused, and each refusal costs a token
+        _raw(endpoint, _request(OTHER, {"x": 1})[0])
+    _raw(endpoint, _request(KEY, {"x": 2})[0])  # a valid request, answered busy
+    assert not any(c.get("x") == 2 for c in keyed.calls), "the refusals cost nothing"
+
+
+def test_a_request_over_the_size_bound_is_dropped() -> None:
+    server = SideChannelServer("127.0.0.1", 0, lambda m: {"ok": True})
+    try:
+        endpoint = f"tcp://127.0.0.1:{server.port}"
+        with pytest.raises(zmq.Again):  # zmq drops the peer: no reply ever comes
+            _raw(endpoint, pack({"op": "acquire", "pad": b"x" * (1 << 20)}), timeout_ms=500)
+        assert _plain_reply(_raw(endpoint, pack({"op": "acquire"})))["ok"]
+    finally:
+        server.close()

@@ -65,6 +65,7 @@ import numpy as np
 
 from vllm_omni_kv.backends.host_pin import HostPin, cuda_in_use
 from vllm_omni_kv.backends.host_pin import register as register_host
+from vllm_omni_kv.backends.shm.entry_files import read_owned_file
 from vllm_omni_kv.backends.shm.liveness import (
     HEARTBEAT_S,
     STALE_S,
@@ -275,37 +276,9 @@ def close_map(mm: mmap.mmap) -> None:
 
 
 def read_entry(name: str) -> bytes:
-    """The bytes of index entry ``name``, opened defensively: never following a link,
-    never blocking (a FIFO), and only a regular file of this user of at most
-    :data:`MAX_INDEX_BYTES`; ``KVPayloadError`` otherwise, ``FileNotFoundError`` when
-    absent."""
-    fd = os.open(path(name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-            raise KVPayloadError(
-                f"shared-memory index entry {name} is not a regular file of this user: "
-                "refused (someone else wrote into /dev/shm)"
-            )
-        if st.st_size > MAX_INDEX_BYTES:
-            raise KVPayloadError(
-                f"shared-memory index entry {name} holds {st.st_size} bytes, over the "
-                f"{MAX_INDEX_BYTES}-byte bound of an entry: refused"
-            )
-        chunks, left = [], st.st_size
-        while left > 0:
-            chunk = os.read(fd, left)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        return b"".join(chunks)
-    except OSError as e:
-        if isinstance(e, FileNotFoundError):
-            raise
-        raise KVPayloadError(f"cannot read shared-memory index entry {name}: {e}") from e
-    finally:
-        os.close(fd)
+    """The bytes of index entry (or hold) ``name``, opened defensively (see
+    :func:`~vllm_omni_kv.backends.shm.entry_files.read_owned_file`)."""
+    return read_owned_file(path(name), MAX_INDEX_BYTES)
 
 
 def claim_index(name: str) -> bytes | None:

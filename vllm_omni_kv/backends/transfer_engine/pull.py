@@ -12,9 +12,7 @@ Data path (sender -> receiver):
    frame and pulls just prelude, header and digest trailer with the engine's
    synchronous read; ``load(spans)`` pulls only the chunks covering ``spans``
    (see :mod:`.pull_stream`). Every read is bounded by ``transfer_timeout_s``.
-   Leases are held per receiver thread: when a busy sender answers an acquire
-   after the receiver gave up waiting, the receiver's retry replaces that orphan
-   lease instead of finding the key "exhausted" until the lease lapses.
+   Leases are held per receiver thread (see :mod:`.sender_requests`).
 3. ``release`` (end of the load, or ``close``) tells the sender the pull
    finished; its reply confirms the block was still live for the whole pull.
    The block is freed after ``max_pulls`` releases (``0``: kept until
@@ -28,8 +26,6 @@ Buffers never pulled are freed ``buffer_ttl_s`` after ``put``, or after the last
 from __future__ import annotations
 
 import concurrent.futures as cf
-import math
-import threading
 import time
 import uuid
 from typing import Any, ClassVar
@@ -37,7 +33,7 @@ from typing import Any, ClassVar
 from vllm_omni_kv.backends.base import OmniConnectorBase
 from vllm_omni_kv.backends.keys import edge_key, is_request_key
 from vllm_omni_kv.backends.net import local_ip
-from vllm_omni_kv.backends.pool import MemoryPool
+from vllm_omni_kv.backends.pool import ManagedBuffer, MemoryPool
 from vllm_omni_kv.backends.stats import COMMON, Counters
 from vllm_omni_kv.backends.transfer_engine.exposure import ExposureTable
 from vllm_omni_kv.backends.transfer_engine.pull_stream import (
@@ -49,9 +45,10 @@ from vllm_omni_kv.backends.transfer_engine.pull_stream import (
     PullFrameStream,
     RawPullStream,
 )
+from vllm_omni_kv.backends.transfer_engine.sender_ops import SenderOps
+from vllm_omni_kv.backends.transfer_engine.sender_requests import SenderEndpoints, SenderRequests
 from vllm_omni_kv.backends.transfer_engine.side_channel import (
     PORT_KEYS,
-    SideChannelClient,
     SideChannelServer,
     sender_zmq_port,
 )
@@ -81,7 +78,37 @@ class PullTransferConnector(OmniConnectorBase):
     def __init__(self, config: dict[str, Any] | None = None) -> None:
         self._closed = True  # until fully constructed (``__del__`` safety)
         self.config = dict(config or {})
-        cfg = self.config
+        lease_slack_s = self._read_settings(self.config)
+        self.engine_id = uuid.uuid4().hex
+        self._exposed = ExposureTable(self.buffer_ttl_s, self.max_pulls, lease_slack_s)
+        self.leases = LeaseBook()  # the leases of this receiver's open streams
+        self._stats = Counters(*COMMON, "timeouts", "failures")
+        self._server: SideChannelServer | None = None
+        self._client: SenderRequests | None = None
+        self._executor: cf.ThreadPoolExecutor | None = None
+        self.engine: EngineAdapter = self._make_engine()
+        self._ops = SenderOps(
+            self._exposed, self.engine, self.engine_id, self.transfer_timeout_s, self.buffer_ttl_s
+        )
+        try:
+            self.pool = MemoryPool(self.pool_size, self.pool_device)
+            self.allocator = self.pool.allocator
+            self.base_ptr = self.pool.base_ptr
+            self._host_pool = self.pool.device.type == "cpu"
+            self.engine.register(self.base_ptr, self.pool.size)
+        except BaseException:
+            self.engine.close()
+            raise
+        self.rpc_port = int(self.engine.session.rsplit(":", 1)[1])
+        try:
+            self._start_side_channel()
+        except BaseException:
+            self._shutdown()
+            raise
+        self._closed = False
+
+    def _read_settings(self, cfg: dict[str, Any]) -> float:
+        """Role, host, numeric settings and the default sender; returns ``lease_slack_s``."""
         self.role = str(cfg.get("role", "sender"))
         if self.role not in ROLES:
             raise ConfigError(f"role must be one of {ROLES}, got {self.role!r}")
@@ -108,46 +135,24 @@ class PullTransferConnector(OmniConnectorBase):
             )
         self.auth = auth_of(cfg)  # side-channel MACs (frames are keyed by the session)
         self.pool_device = str(cfg.get("memory_pool_device", "cpu"))
-        self.engine_id = uuid.uuid4().hex
-        self.sender_host: str | None = cfg.get("sender_host")
-        sp = cfg.get("sender_zmq_port")
-        self.sender_zmq_port: int | None = None if sp is None else int(sp)
-        self._rank_senders: dict[int, tuple[str, int]] = {}
-        self._exposed = ExposureTable(self.buffer_ttl_s, self.max_pulls, lease_slack_s)
-        self.leases = LeaseBook()  # the leases of this receiver's open streams
-        self._stats = Counters(*COMMON, "timeouts", "failures")
-        self._server: SideChannelServer | None = None
-        self._client: SideChannelClient | None = None
-        self._executor: cf.ThreadPoolExecutor | None = None
-        self.engine: EngineAdapter = self._make_engine()
-        try:
-            self.pool = MemoryPool(self.pool_size, self.pool_device)
-            self.allocator = self.pool.allocator
-            self.base_ptr = self.pool.base_ptr
-            self._host_pool = self.pool.device.type == "cpu"
-            self.engine.register(self.base_ptr, self.pool.size)
-        except BaseException:
-            self.engine.close()
-            raise
-        self.rpc_port = int(self.engine.session.rsplit(":", 1)[1])
-        try:
-            if self.can_put:
-                self._server = SideChannelServer(
-                    self.host,
-                    self.zmq_port,
-                    self._handle,
-                    on_idle=self._exposed.sweep,
-                    idle_interval_s=min(0.5, self.buffer_ttl_s / 4),
-                    auth=self.auth,
-                )
-                self.zmq_port = self._server.port
-            self._client = SideChannelClient(self.side_channel_timeout_s, auth=self.auth)
-            self._executor = cf.ThreadPoolExecutor(4, thread_name_prefix="omnikv-pull")
-            self._puller = Puller(self.engine, self._executor, self.transfer_timeout_s)
-        except BaseException:
-            self._shutdown()
-            raise
-        self._closed = False
+        self._senders = SenderEndpoints(cfg.get("sender_host"), cfg.get("sender_zmq_port"))
+        return lease_slack_s
+
+    def _start_side_channel(self) -> None:
+        """The sender's side-channel server (senders only), the receiver's client, the pulls."""
+        if self.can_put:
+            self._server = SideChannelServer(
+                self.host,
+                self.zmq_port,
+                self._handle,
+                on_idle=self._exposed.sweep,
+                idle_interval_s=min(0.5, self.buffer_ttl_s / 4),
+                auth=self.auth,
+            )
+            self.zmq_port = self._server.port
+        self._client = SenderRequests(self.side_channel_timeout_s, self.engine_id, auth=self.auth)
+        self._executor = cf.ThreadPoolExecutor(4, thread_name_prefix="omnikv-pull")
+        self._puller = Puller(self.engine, self._executor, self.transfer_timeout_s)
 
     # -- subclass hook -------------------------------------------------------------
     def _make_engine(self) -> EngineAdapter:
@@ -186,37 +191,8 @@ class PullTransferConnector(OmniConnectorBase):
         return True, size, meta
 
     def _handle(self, msg: dict[str, Any]) -> dict[str, Any]:
-        op = msg.get("op")
-        if op == "acquire":
-            holder = msg.get("holder")
-            lease_s = msg.get("lease_s", self.transfer_timeout_s)
-            if not isinstance(lease_s, int | float) or not 0 < lease_s < math.inf:
-                return {"ok": False, "reason": "error", "error": "lease_s must be positive"}
-            reply = self._exposed.acquire(
-                str(msg.get("key", "")),
-                min(float(lease_s), self.buffer_ttl_s),  # nobody pins a buffer for longer
-                None if holder is None else str(holder),
-            )
-            if reply["ok"]:
-                reply["session"] = self.engine.session
-            return reply
-        if op == "release":
-            # by the lease an acquire granted, or (a pull planned from the producer's put
-            # metadata) by the block's token, which the side channel never discloses
-            lease = msg.get("lease")
-            return self._exposed.release(
-                str(msg.get("token", "")),
-                None if lease is None else str(lease),
-                bool(msg.get("success", True)),
-            )
-        if op == "extend":  # like acquire: at most buffer_ttl_s past the last call
-            s = msg.get("lease_s")
-            if not isinstance(s, int | float) or not 0 < s < math.inf:
-                return {"ok": False, "reason": "error", "error": "lease_s must be positive"}
-            return self._exposed.extend(str(msg.get("key", "")), min(s, self.buffer_ttl_s))
-        if op == "ping":
-            return {"ok": True, "engine_id": self.engine_id, "session": self.engine.session}
-        return {"ok": False, "reason": "error", "error": f"unknown side-channel op {op!r}"}
+        """Answer one side-channel request (:class:`.sender_ops.SenderOps`); subclasses add ops."""
+        return self._ops(msg)
 
     def held_until(self, from_stage: str, to_stage: str, key: str) -> float | None:
         """None once ``key`` is no longer exposed; else the deadline a consumer extended it to."""
@@ -245,25 +221,7 @@ class PullTransferConnector(OmniConnectorBase):
         self, sender_host: str, sender_zmq_port: int, sender_rank: int | None = None
     ) -> None:
         """Set the default sender (``sender_rank=None``) or the endpoint of one sender rank."""
-        if sender_rank is None:
-            self.sender_host, self.sender_zmq_port = sender_host, int(sender_zmq_port)
-        else:
-            self._rank_senders[int(sender_rank)] = (sender_host, int(sender_zmq_port))
-
-    def _endpoint(self, metadata: dict[str, Any] | None) -> str:
-        md = metadata or {}
-        if md.get("source_host") and md.get("source_port"):
-            return f"tcp://{md['source_host']}:{int(md['source_port'])}"
-        rank = md.get("sender_rank", md.get("from_rank"))
-        if rank is not None and int(rank) in self._rank_senders:
-            h, p = self._rank_senders[int(rank)]
-            return f"tcp://{h}:{p}"
-        if self.sender_host and self.sender_zmq_port:
-            return f"tcp://{self.sender_host}:{self.sender_zmq_port}"
-        raise KVTransferError(
-            "no sender endpoint known for get(): pass metadata with source_host/source_port, "
-            "or call update_sender_info(host, zmq_port) first"
-        )
+        self._senders.update(sender_host, sender_zmq_port, sender_rank)
 
     def _check_get(self) -> None:
         self._check_open()
@@ -283,8 +241,9 @@ class PullTransferConnector(OmniConnectorBase):
         md = dict(metadata or {})
         if all(md.get(k) is not None for k in ("data_size", "src_addr", "session", "token")):
             return md, None
+        assert self._client is not None
         try:
-            info = self._acquire(endpoint, key)
+            info = self._client.acquire(endpoint, key, self.transfer_timeout_s, self.get_timeout_s)
         except KVTransferTimeout as e:
             self._timed_out(e)
             return None
@@ -307,13 +266,12 @@ class PullTransferConnector(OmniConnectorBase):
         ``obj`` is the receiving :class:`ManagedBuffer` (the caller releases it)."""
         self._check_get()
         key = edge_key(get_key, from_stage, to_stage)
-        endpoint = self._endpoint(metadata)
+        endpoint = self._senders.resolve(metadata)
         found = self._locate(key, endpoint, metadata)
         if found is None:
             return None
         md, lease_id = found
-        size, session, src = int(md["data_size"]), str(md["session"]), int(md["src_addr"])
-        token = md.get("token", "")
+        size, token = int(md["data_size"]), md.get("token", "")
         lease = Lease(
             lambda ok: self._release_remote(endpoint, key, token, lease_id, success=ok),
             self.leases,
@@ -324,28 +282,8 @@ class PullTransferConnector(OmniConnectorBase):
         except KVTransferError:
             lease.end(False)
             raise
-        fast = bool(md.get("is_fast_path", True))
-        stream: PayloadStream
         try:
-            if fast or not self._host_pool:
-                stream = RawPullStream(
-                    self._puller, session, src, size, local, lease, what=repr(key), frame=not fast
-                )
-                if fast:
-                    local = sized(local, size)
-                    local.dtype_name, local.shape = md.get("dtype"), md.get("shape")
-            else:
-                deadline = time.monotonic() + self.transfer_timeout_s
-                stream = PullFrameStream(
-                    self._puller,
-                    session,
-                    src,
-                    size,
-                    local,
-                    lease,
-                    what=repr(key),
-                    deadline=deadline,
-                )
+            stream = self._pull_stream(key, md, local, lease)
         except KVTransferTimeout as e:
             self._timed_out(e)
             return None
@@ -355,6 +293,26 @@ class PullTransferConnector(OmniConnectorBase):
         self._stats.add("gets")
         self._stats.add("bytes_got", size)
         return stream
+
+    def _pull_stream(
+        self, key: str, md: dict[str, Any], local: ManagedBuffer, lease: Lease
+    ) -> PayloadStream:
+        """The stream pulling ``md``'s block into ``local``: raw (the fast path, or a device
+        pool) or a frame whose chunks ``load`` pulls."""
+        size, session, src = int(md["data_size"]), str(md["session"]), int(md["src_addr"])
+        fast = bool(md.get("is_fast_path", True))
+        if fast or not self._host_pool:
+            stream = RawPullStream(
+                self._puller, session, src, size, local, lease, what=repr(key), frame=not fast
+            )
+            if fast:
+                local = sized(local, size)
+                local.dtype_name, local.shape = md.get("dtype"), md.get("shape")
+            return stream
+        deadline = time.monotonic() + self.transfer_timeout_s
+        return PullFrameStream(
+            self._puller, session, src, size, local, lease, what=repr(key), deadline=deadline
+        )
 
     def get(
         self, from_stage: str, to_stage: str, get_key: str, metadata: dict[str, Any] | None = None
@@ -384,7 +342,7 @@ class PullTransferConnector(OmniConnectorBase):
         ``max_pulls`` releases are in. True when the key was there."""
         self._check_get()
         bkey = edge_key(key, from_stage, to_stage)
-        endpoint = self._endpoint(metadata)
+        endpoint = self._senders.resolve(metadata)
         found = self._locate(bkey, endpoint, metadata)
         if found is None:
             return False
@@ -403,11 +361,10 @@ class PullTransferConnector(OmniConnectorBase):
         """Ask the sender to keep ``key`` ``seconds`` longer (it caps them at its
         ``buffer_ttl_s``); False when it is not there or the sender did not answer."""
         self._check_get()
-        endpoint = self._endpoint(metadata)
+        endpoint = self._senders.resolve(metadata)
         assert self._client is not None
-        msg = {"op": "extend", "key": edge_key(key, from_stage, to_stage), "lease_s": seconds}
         try:
-            reply = self._client.request(endpoint, msg)
+            reply = self._client.extend(endpoint, edge_key(key, from_stage, to_stage), seconds)
         except KVTransferError as e:
             logger.debug("extending %r at %s: %s", key, endpoint, e)
             return False
@@ -420,38 +377,12 @@ class PullTransferConnector(OmniConnectorBase):
         logger.error("%s; returning None", err)
         return None
 
-    def _acquire(self, endpoint: str, key: str) -> dict[str, Any] | None:
-        assert self._client is not None
-        deadline = time.monotonic() + self.get_timeout_s
-        delay = 0.005
-        # one thread's gets are sequential: naming (engine, thread) as the holder lets the
-        # sender replace a lease this thread abandoned when an earlier acquire timed out
-        msg = {
-            "op": "acquire",
-            "key": key,
-            "lease_s": self.transfer_timeout_s,
-            "holder": f"{self.engine_id}:{threading.get_ident()}",
-        }
-        while True:
-            reply = self._client.request(endpoint, msg)
-            if reply.get("ok"):
-                return reply
-            if reply.get("reason") == "error":
-                raise KVTransferError(f"sender at {endpoint} failed: {reply.get('error')}")
-            if time.monotonic() + delay > deadline:
-                return None
-            time.sleep(delay)
-            delay = min(delay * 2, 0.1)
-
     def _release_remote(
         self, endpoint: str, key: str, token: str, lease: str | None, success: bool
     ) -> bool:
         assert self._client is not None
         try:
-            reply = self._client.request(
-                endpoint,
-                {"op": "release", "key": key, "token": token, "lease": lease, "success": success},
-            )
+            reply = self._client.release(endpoint, key, token, lease, success)
         except KVTransferError as e:
             logger.warning("could not confirm pull of %r with its sender: %s", key, e)
             return False

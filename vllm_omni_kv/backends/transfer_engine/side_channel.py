@@ -43,6 +43,10 @@ Handler = Callable[[dict[str, Any]], dict[str, Any]]
 
 #: largest message either side accepts; requests/replies are tiny maps
 MAX_MESSAGE = 1 << 20
+#: largest request a server accepts, and how many it queues per peer: a flood of large
+#: messages costs at most MAX_REQUEST * RCV_QUEUE bytes per connected peer
+MAX_REQUEST = 64 << 10
+RCV_QUEUE = 16
 #: requests a server answers per second (a token bucket of this many, refilled continuously);
 #: beyond that it replies ``busy`` without running the handler, and clients retry
 MAX_RATE = 20000.0
@@ -113,7 +117,9 @@ class SideChannelServer:
         self._ctx = ctx or zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST)
+        self._sock.setsockopt(zmq.RCVHWM, RCV_QUEUE)
+        self._sock.setsockopt(zmq.SNDHWM, RCV_QUEUE)
         try:
             if port == 0:
                 self.port = self._sock.bind_to_random_port(f"tcp://{host}")
@@ -177,6 +183,7 @@ class SideChannelServer:
             if self._auth is not None:
                 msg, nonce, refusal = self._open_keyed(payload, now)
                 if refusal is not None:
+                    self._tokens = max(0.0, self._tokens - 1)  # refusals cost the bucket
                     if now - self._refusal_logged >= 10.0:  # at most one warning per 10 s
                         self._refusal_logged = now
                         logger.warning("side channel refused a request: %s", refusal.get("error"))
@@ -184,10 +191,11 @@ class SideChannelServer:
                     return
             else:
                 msg = unpack(payload)
-            if self._tokens < 1 and msg.get("op") not in EXEMPT_OPS:
+            exempt = msg.get("op") in EXEMPT_OPS  # answered always, never drains the bucket
+            if self._tokens < 1 and not exempt:
                 reply = {"ok": False, "reason": "busy"}
             else:
-                self._tokens -= 1
+                self._tokens -= 0 if exempt else 1
                 reply = self._handler(msg)
         except KVTransferError as e:  # a malformed request: answer it, no traceback
             logger.debug("side-channel request refused: %s", e)

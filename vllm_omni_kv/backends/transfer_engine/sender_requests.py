@@ -1,0 +1,103 @@
+"""What a pull receiver asks its senders over the side channel: ``acquire`` (retried until
+the key appears or the wait ends), ``release`` and ``extend``; and which sender a get
+addresses (:class:`SenderEndpoints`).
+
+Leases are held per receiver thread: when a busy sender answers an acquire after the
+receiver gave up waiting, the receiver's retry replaces that orphan lease instead of finding
+the key "exhausted" until the lease lapses.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from vllm_omni_kv.backends.transfer_engine.side_channel import SideChannelClient
+from vllm_omni_kv.errors import KVTransferError
+from vllm_omni_kv.wire.auth import AuthKey
+
+__all__ = ["SenderEndpoints", "SenderRequests"]
+
+
+class SenderEndpoints:
+    """The default sender and per-rank senders a receiver knows (``tcp://host:port``)."""
+
+    def __init__(self, host: str | None = None, zmq_port: int | str | None = None) -> None:
+        self.host = host
+        self.zmq_port: int | None = None if zmq_port is None else int(zmq_port)
+        self._ranks: dict[int, tuple[str, int]] = {}
+
+    def update(self, host: str, zmq_port: int, rank: int | None = None) -> None:
+        """Set the default sender (``rank=None``) or the endpoint of one sender rank."""
+        if rank is None:
+            self.host, self.zmq_port = host, int(zmq_port)
+        else:
+            self._ranks[int(rank)] = (host, int(zmq_port))
+
+    def resolve(self, metadata: dict[str, Any] | None) -> str:
+        """``metadata``'s ``source_host``/``source_port``, else its sender rank's endpoint,
+        else the default sender."""
+        md = metadata or {}
+        if md.get("source_host") and md.get("source_port"):
+            return f"tcp://{md['source_host']}:{int(md['source_port'])}"
+        rank = md.get("sender_rank", md.get("from_rank"))
+        if rank is not None and int(rank) in self._ranks:
+            h, p = self._ranks[int(rank)]
+            return f"tcp://{h}:{p}"
+        if self.host and self.zmq_port:
+            return f"tcp://{self.host}:{self.zmq_port}"
+        raise KVTransferError(
+            "no sender endpoint known for get(): pass metadata with source_host/source_port, "
+            "or call update_sender_info(host, zmq_port) first"
+        )
+
+
+class SenderRequests:
+    """One receiver's side-channel client; every request is bounded by ``timeout_s``."""
+
+    def __init__(self, timeout_s: float, engine_id: str, auth: AuthKey | None = None) -> None:
+        self._client = SideChannelClient(timeout_s, auth=auth)
+        self._engine_id = engine_id
+
+    def acquire(
+        self, endpoint: str, key: str, lease_s: float, wait_s: float
+    ) -> dict[str, Any] | None:
+        """Lease ``key`` for ``lease_s``: the sender's reply (address, size, kind, lease), or
+        None when the key did not appear within ``wait_s``."""
+        deadline = time.monotonic() + wait_s
+        delay = 0.005
+        # one thread's gets are sequential: naming (engine, thread) as the holder lets the
+        # sender replace a lease this thread abandoned when an earlier acquire timed out
+        msg = {
+            "op": "acquire",
+            "key": key,
+            "lease_s": lease_s,
+            "holder": f"{self._engine_id}:{threading.get_ident()}",
+        }
+        while True:
+            reply = self._client.request(endpoint, msg)
+            if reply.get("ok"):
+                return reply
+            if reply.get("reason") == "error":
+                raise KVTransferError(f"sender at {endpoint} failed: {reply.get('error')}")
+            if time.monotonic() + delay > deadline:
+                return None
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)
+
+    def release(
+        self, endpoint: str, key: str, token: str, lease: str | None, success: bool
+    ) -> dict[str, Any]:
+        """Tell the sender a pull of ``key`` ended; its reply's ``ok`` confirms the block
+        stayed live. Raises ``KVTransferError`` when the sender does not answer."""
+        msg = {"op": "release", "key": key, "token": token, "lease": lease, "success": success}
+        return self._client.request(endpoint, msg)
+
+    def extend(self, endpoint: str, key: str, seconds: float) -> dict[str, Any]:
+        """Ask the sender to keep ``key`` ``seconds`` longer (``ok``: it is still there).
+        Raises ``KVTransferError`` when the sender does not answer."""
+        return self._client.request(endpoint, {"op": "extend", "key": key, "lease_s": seconds})
+
+    def close(self) -> None:
+        self._client.close()
