@@ -64,7 +64,7 @@ def _recv(conn: Connection, timeout: float = 120.0) -> dict[str, Any]:
 
 
 def _sender(conn: Connection, max_bytes: int) -> None:
-    from vllm_omni_kv.backends.transfer_engine.mooncake import MooncakeTransferEngineConnector
+    from vllm_omni_kv.backends.pull.mooncake import MooncakeTransferEngineConnector
 
     src = torch.randint(0, 256, (max_bytes,), dtype=torch.uint8)
     pool = 3 * max_bytes + (64 << 20)
@@ -134,7 +134,7 @@ def _row(backend: str, nbytes: int, times: list[float], raw: list[float] | None)
 
 
 def _te_rows(sizes_mib: list[int], repeats: int) -> list[dict[str, Any]]:
-    from vllm_omni_kv.backends.transfer_engine.mooncake import MooncakeTransferEngineConnector
+    from vllm_omni_kv.backends.pull.mooncake import MooncakeTransferEngineConnector
 
     max_bytes = max(sizes_mib) << 20
     ctx = mp.get_context("spawn")

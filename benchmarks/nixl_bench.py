@@ -3,7 +3,7 @@
     python benchmarks/nixl_bench.py           # 16, 64, 256 MiB -> results/nixl_bench.{json,png}
     python benchmarks/nixl_bench.py --quick   # 1 and 4 MiB, for smoke tests
 
-A sender process runs a ``NixlConnector`` (role sender); this process runs a receiver
+A sender process runs a ``NixlPullConnector`` (role sender); this process runs a receiver
 connector and, beside it, a bare NIXL agent. Each repeat: the sender ``put``\\ s a
 frame (a dict holding one uint8 tensor: packed into its registered pool with xxh3
 digests, timed in the sender); the bare agent reads the frame's bytes straight out of
@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from vllm_omni_kv.backends.nixl.connector import NixlConnector
+from vllm_omni_kv.backends.nixl.connector import NixlPullConnector
 from vllm_omni_kv.backends.nixl.engine import MD_OP, import_nixl
-from vllm_omni_kv.backends.transfer_engine.side_channel import SideChannelClient
+from vllm_omni_kv.backends.pull.side_channel import SideChannelClient
 
 RESULTS = Path(__file__).parent / "results"
 MIB = 1 << 20
@@ -50,7 +50,7 @@ def _config(role: str, pool: int) -> dict[str, Any]:
 
 def sender_main(conn: Connection, pool: int) -> None:
     """Child: a sender connector; ``("put", key, nbytes)`` -> ``(meta, put_seconds)``."""
-    c = NixlConnector(_config("sender", pool))
+    c = NixlPullConnector(_config("sender", pool))
     conn.send({"host": c.host, "port": c.zmq_port})
     while True:
         msg = conn.recv()
@@ -120,7 +120,7 @@ def run(sizes: list[int], repeats: int) -> dict[str, Any]:
     try:
         info = parent.recv()
         endpoint = f"tcp://{info['host']}:{info['port']}"
-        receiver = NixlConnector(_config("receiver", pool))
+        receiver = NixlPullConnector(_config("receiver", pool))
         raw = RawReader(pool)
         try:
             for nbytes in sizes:

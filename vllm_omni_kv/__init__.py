@@ -33,11 +33,11 @@ _LAZY: dict[str, str] = {
     "OmniConnectorBase": "vllm_omni_kv.backends.base",
     "OmniConnectorFactory": "vllm_omni_kv.backends.factory",
     "SharedMemoryConnector": "vllm_omni_kv.backends.shm.connector",
-    "MooncakeTransferEngineConnector": "vllm_omni_kv.backends.transfer_engine.mooncake",
+    "MooncakeTransferEngineConnector": "vllm_omni_kv.backends.pull.mooncake",
     "MooncakeStoreConnector": "vllm_omni_kv.backends.mooncake_store.connector",
     "MooncakeConnector": "vllm_omni_kv.backends.mooncake_store.connector",
     "YuanrongConnector": "vllm_omni_kv.backends.yuanrong.datasystem",
-    "YuanrongTransferEngineConnector": "vllm_omni_kv.backends.transfer_engine.yuanrong",
+    "YuanrongTransferEngineConnector": "vllm_omni_kv.backends.pull.yuanrong",
     "ManagedBuffer": "vllm_omni_kv.backends.pool",
     "BufferAllocator": "vllm_omni_kv.backends.pool",
     # vLLM connector

@@ -25,12 +25,12 @@ BACKENDS: dict[str, tuple[str, tuple[str, ...], str]] = {
         "a CUDA GPU visible to this process (same host as its peer)",
     ),
     "mooncake_te": (
-        "vllm_omni_kv.backends.transfer_engine.mooncake",
+        "vllm_omni_kv.backends.pull.mooncake",
         ("mooncake.engine",),
         "pip install 'vllm-omni-kv[mooncake-cpu]' (CPU) or 'vllm-omni-kv[mooncake]' (CUDA)",
     ),
     "mooncake_te (register_cache)": (
-        "vllm_omni_kv.backends.transfer_engine.mooncake:cache_selftest",
+        "vllm_omni_kv.backends.pull.mooncake:cache_selftest",
         ("mooncake.engine",),
         "pip install 'vllm-omni-kv[mooncake-cpu]' (CPU) or 'vllm-omni-kv[mooncake]' (CUDA)",
     ),

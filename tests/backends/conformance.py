@@ -127,11 +127,11 @@ def sender_main(conn: Connection, config: dict[str, Any], backend: str = "moonca
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     c: Any
     if backend == "nixl":
-        from vllm_omni_kv.backends.nixl.connector import NixlConnector
+        from vllm_omni_kv.backends.nixl.connector import NixlPullConnector
 
-        c = NixlConnector(config)
+        c = NixlPullConnector(config)
     else:
-        from vllm_omni_kv.backends.transfer_engine.mooncake import MooncakeTransferEngineConnector
+        from vllm_omni_kv.backends.pull.mooncake import MooncakeTransferEngineConnector
 
         c = MooncakeTransferEngineConnector(config)
     _send(conn, {"info": c.get_connection_info()})
@@ -249,10 +249,10 @@ def nixl_config(role: str, pool_mib: int = 320, **over: Any) -> dict[str, Any]:
 def pull_backend(backend: str) -> tuple[Any, Callable[..., dict[str, Any]]]:
     """The connector class and config helper of pull backend ``backend``."""
     if backend == "nixl":
-        from vllm_omni_kv.backends.nixl.connector import NixlConnector
+        from vllm_omni_kv.backends.nixl.connector import NixlPullConnector
 
-        return NixlConnector, nixl_config
-    from vllm_omni_kv.backends.transfer_engine.mooncake import MooncakeTransferEngineConnector
+        return NixlPullConnector, nixl_config
+    from vllm_omni_kv.backends.pull.mooncake import MooncakeTransferEngineConnector
 
     return MooncakeTransferEngineConnector, te_config
 

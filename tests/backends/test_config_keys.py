@@ -27,7 +27,7 @@ from vllm_omni_kv.wire.auth import AuthKey
 #: modules that read a backend's config through a helper function, not a method
 _HELPERS = {
     "PullTransferConnector": (
-        "vllm_omni_kv.backends.transfer_engine.side_channel",  # sender_zmq_port(config)
+        "vllm_omni_kv.backends.pull.side_channel",  # sender_zmq_port(config)
         "vllm_omni_kv.wire.auth",  # auth_of(config)
     )
 }

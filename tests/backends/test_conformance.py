@@ -260,11 +260,11 @@ def test_register_cache_cuda_pages_move_device_to_device(engine: str) -> None:
     if importlib.util.find_spec(package) is None:
         pytest.skip(f"{package} is not installed")
     if engine == "mooncake_te":
-        from vllm_omni_kv.backends.transfer_engine.mooncake import cuda_build
+        from vllm_omni_kv.backends.pull.mooncake import cuda_build
 
         if not cuda_build():
             pytest.skip("the Mooncake CUDA build (mooncake-transfer-engine) is not installed")
-    from vllm_omni_kv.backends.transfer_engine.selftest import CACHE_SELFTEST, pull_pages
+    from vllm_omni_kv.backends.pull.selftest import CACHE_SELFTEST, pull_pages
 
     cls = pull_backend(engine)[0]
     extra = {"protocol": "tcp"} if engine == "mooncake_te" else {}

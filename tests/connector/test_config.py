@@ -143,7 +143,7 @@ def test_backends_without_roles_and_unknown_kv_roles_are_untouched() -> None:
 
 
 def test_side_channel_port_is_free_by_default_and_explicit_ports_are_kept() -> None:
-    from vllm_omni_kv.backends.transfer_engine.side_channel import sender_zmq_port
+    from vllm_omni_kv.backends.pull.side_channel import sender_zmq_port
 
     assert sender_zmq_port({}) == 0  # bind a free port: no two servers collide
     assert sender_zmq_port({"local_rank": 1}) == 0
@@ -196,7 +196,7 @@ def test_tp_ranks_on_free_ports_need_a_configured_zmq_port() -> None:
 
 def test_two_default_senders_on_one_host_bind_distinct_ports() -> None:
     pytest.importorskip("mooncake.engine", reason="the Mooncake transfer engine is not installed")
-    from vllm_omni_kv.backends.transfer_engine.mooncake import MooncakeTransferEngineConnector
+    from vllm_omni_kv.backends.pull.mooncake import MooncakeTransferEngineConnector
     from vllm_omni_kv.connector.handshake import worker_handshake
 
     # what a kv_producer's worker builds from a config without role or zmq_port

@@ -231,7 +231,7 @@ def test_te_producer_restarted_while_consumer_waits(
 
 SENDER = """
 import json, sys, torch
-from vllm_omni_kv.backends.transfer_engine.mooncake import MooncakeTransferEngineConnector
+from vllm_omni_kv.backends.pull.mooncake import MooncakeTransferEngineConnector
 c = MooncakeTransferEngineConnector(json.loads(sys.argv[1]))
 ok, size, meta = c.put("prefill", "decode", "big", {"kv": torch.ones(1 << 20)})  # 4 MiB
 print(json.dumps(meta), flush=True)
@@ -265,7 +265,7 @@ def start_sender() -> tuple[subprocess.Popen[str], dict[str, Any]]:
 
 def receiver() -> Any:
     """A receiver whose 8 MiB pool holds one frame of :func:`start_sender`, not two."""
-    from vllm_omni_kv.backends.transfer_engine.mooncake import MooncakeTransferEngineConnector
+    from vllm_omni_kv.backends.pull.mooncake import MooncakeTransferEngineConnector
 
     return MooncakeTransferEngineConnector(
         {**TE_LOOPBACK, "role": "receiver", "memory_pool_size": 8 << 20, "transfer_timeout_s": 5.0}

@@ -208,7 +208,7 @@ def test_leases_expired_is_a_counter_and_a_prometheus_metric() -> None:
 # -- Mooncake Transfer Engine: the extend op of the side channel ---------------------------
 def _te(role: str, **over: Any) -> Any:
     pytest.importorskip("mooncake")
-    from vllm_omni_kv.backends.transfer_engine.mooncake import MooncakeTransferEngineConnector
+    from vllm_omni_kv.backends.pull.mooncake import MooncakeTransferEngineConnector
 
     cfg: dict[str, Any] = {
         "role": role,

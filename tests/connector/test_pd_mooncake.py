@@ -19,7 +19,7 @@ from vllm_omni_kv.testing.net import free_port
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.mooncake]
 
 pytest.importorskip("mooncake.engine", reason="the Mooncake transfer engine wheel is not installed")
-pytest.importorskip("vllm_omni_kv.backends.transfer_engine.mooncake")
+pytest.importorskip("vllm_omni_kv.backends.pull.mooncake")
 
 # Mooncake's TCP transport occasionally stalls a read (kvcache-ai/Mooncake#4209); the backend
 # turns a stall into a ~3 s retry (tcp_progress_timeout_s), so leave room for a few of them.

@@ -1,4 +1,4 @@
-"""Tests for vllm_omni_kv.kvcache.blocks: gather/scatter of one request's KV in paged blocks."""
+"""Tests for vllm_omni_kv.kvcache.request_blocks: gather/scatter of one request's KV in paged blocks."""
 
 from __future__ import annotations
 
@@ -10,8 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vllm_omni_kv.errors import KVPayloadError
-from vllm_omni_kv.kvcache.blocks import gather_request_kv, request_kv_shape, scatter_request_kv
 from vllm_omni_kv.kvcache.kv_utils import normalize_layer_kv
+from vllm_omni_kv.kvcache.request_blocks import (
+    gather_request_kv,
+    request_kv_shape,
+    scatter_request_kv,
+)
 
 NB, BS, H, D = 6, 4, 2, 8
 LAYOUTS = ["flash", "flashinfer", "tuple", "cpu"]

@@ -268,7 +268,7 @@ def test_module_does_not_import_vllm() -> None:
     import subprocess
 
     code = (
-        "import sys, vllm_omni_kv.kv_utils, vllm_omni_kv.kvcache.blocks; "
+        "import sys, vllm_omni_kv.kv_utils, vllm_omni_kv.kvcache.request_blocks; "
         "assert not any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules), 'vllm imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -16,7 +16,7 @@ import pytest
 import torch
 from _kv_fixtures import BS, LAYERS, cpu_layout_cache, reference_kv
 
-from vllm_omni_kv.backends.transfer_engine.side_channel import sender_zmq_port
+from vllm_omni_kv.backends.pull.side_channel import sender_zmq_port
 from vllm_omni_kv.errors import (
     KVPayloadError,
     KVTransferCancelled,

@@ -23,7 +23,7 @@ Constructor = Callable[[dict[str, Any]], OmniConnectorBase]
 _BUILTIN: dict[str, tuple[str, str]] = {
     "SharedMemoryConnector": ("vllm_omni_kv.backends.shm.connector", "SharedMemoryConnector"),
     "MooncakeTransferEngineConnector": (
-        "vllm_omni_kv.backends.transfer_engine.mooncake",
+        "vllm_omni_kv.backends.pull.mooncake",
         "MooncakeTransferEngineConnector",
     ),
     "MooncakeStoreConnector": (
@@ -35,10 +35,10 @@ _BUILTIN: dict[str, tuple[str, str]] = {
         "MooncakeStoreConnector",
     ),
     "YuanrongConnector": ("vllm_omni_kv.backends.yuanrong.datasystem", "YuanrongConnector"),
-    "NixlConnector": ("vllm_omni_kv.backends.nixl.connector", "NixlConnector"),
+    "NixlPullConnector": ("vllm_omni_kv.backends.nixl.connector", "NixlPullConnector"),
     "CudaIpcConnector": ("vllm_omni_kv.backends.cuda_ipc.connector", "CudaIpcConnector"),
     "YuanrongTransferEngineConnector": (
-        "vllm_omni_kv.backends.transfer_engine.yuanrong",
+        "vllm_omni_kv.backends.pull.yuanrong",
         "YuanrongTransferEngineConnector",
     ),
 }
@@ -52,14 +52,14 @@ ALIASES: dict[str, str] = {
     "mooncake_store": "MooncakeStoreConnector",
     "yuanrong": "YuanrongConnector",
     "yuanrong_te": "YuanrongTransferEngineConnector",
-    "nixl": "NixlConnector",
+    "nixl": "NixlPullConnector",
     "cuda_ipc": "CudaIpcConnector",
 }
 
 
 #: backends with a ``role`` setting (``sender`` / ``receiver`` / ``dual``), by registered name
 ROLE_BACKENDS: frozenset[str] = frozenset(
-    {"MooncakeTransferEngineConnector", "YuanrongTransferEngineConnector", "NixlConnector"}
+    {"MooncakeTransferEngineConnector", "YuanrongTransferEngineConnector", "NixlPullConnector"}
 )
 #: the backend role each vLLM ``kv_role`` needs
 ROLE_FOR_KV_ROLE: dict[str, str] = {

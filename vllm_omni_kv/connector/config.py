@@ -114,7 +114,7 @@ NETWORK_BACKENDS = frozenset(
         "MooncakeStoreConnector",
         "YuanrongConnector",
         "YuanrongTransferEngineConnector",
-        "NixlConnector",
+        "NixlPullConnector",
     }
 )
 TRANSFER_FORMATS = ("auto", "paged_blocks", "token_major")

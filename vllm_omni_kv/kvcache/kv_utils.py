@@ -25,7 +25,7 @@ from vllm_omni_kv.kvcache.kv_ports import (
     kv_zmq_port,
     sender_rank_port,
 )
-from vllm_omni_kv.kvcache.layouts import (
+from vllm_omni_kv.kvcache.kv_views import (
     KV_LAYOUTS,
     LayerKV,
     detect_kv_layout,

@@ -16,8 +16,10 @@ from typing import Any, Protocol
 import torch
 
 from vllm_omni_kv.errors import KVPayloadError
-from vllm_omni_kv.kvcache.cache_layout import KVLayoutId
-from vllm_omni_kv.kvcache.shared_pages import shared_fields
+from vllm_omni_kv.kvcache.cache_layout import KVLayoutId, page_view
+from vllm_omni_kv.kvcache.meta import PAGED_BLOCKS
+from vllm_omni_kv.kvcache.paged_blocks import KV_BLOCKS
+from vllm_omni_kv.kvcache.shared_pages import SHARED, attach_layers, shared_fields
 from vllm_omni_kv.wire.stream import PayloadStream, Span
 
 
@@ -29,6 +31,9 @@ class PageSource(Protocol):
 
     def release(self, hold: str) -> None:
         """Release ``hold`` without reading."""
+
+    def attach(self, descriptor: Any) -> torch.Tensor:
+        """A flat ``uint8`` tensor over the producer's region (regions this process maps)."""
 
     def copy_into(
         self,
@@ -101,3 +106,40 @@ class SharedPagesPlan:
             if self.caches[0].device.type == "cuda":  # the blocks are read before the
                 torch.cuda.current_stream().synchronize()  # hold goes back
         return self.tokens
+
+
+#: torch dtypes of the identity's dtype names that are not torch attribute names
+_FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def materialize_pages(payload: dict[str, Any], source: PageSource | None) -> dict[str, Any]:
+    """The paged-blocks payload of a shared-pages one: the request's pages copied out of
+    the producer's cache under the payload's hold (one copy), for a reader without a
+    paged cache of its own (the manager API)."""
+    if source is None:
+        raise KVPayloadError(
+            "received a shared-pages payload but this backend maps no producer's cache "
+            "region: use the same backend settings on both stages"
+        )
+    meta, shared, ids = shared_fields(payload)
+    ident = meta.kv_layout
+    dtype = _FP8.get(ident.dtype) if ident is not None else None
+    dtype = dtype or (getattr(torch, ident.dtype, None) if ident is not None else None)
+    if ident is None or not isinstance(dtype, torch.dtype):
+        raise KVPayloadError(f"shared-pages payload of an unknown KV dtype: {meta.kv_layout}")
+    with source.reading(shared.get("hold")):
+        base = source.attach(shared.get("region"))
+        views = attach_layers(base, shared.get("geometry"), ident, dtype)
+        index = torch.tensor(ids, dtype=torch.long)
+        try:
+            pages = [page_view(v, ident).index_select(0, index) for v in views]
+        except (IndexError, RuntimeError) as e:
+            raise KVPayloadError(f"shared-pages payload names pages outside its cache: {e}") from e
+    md = {k: v for k, v in payload["metadata"].items() if k != SHARED}
+    md["format"] = PAGED_BLOCKS
+    return {
+        "request_id": payload.get("request_id"),
+        "layer_blocks": {KV_BLOCKS: pages},
+        "block_ids": list(range(len(ids))),
+        "metadata": md,
+    }

@@ -19,9 +19,13 @@ from typing import Any
 import torch
 
 from vllm_omni_kv.errors import KVPayloadError
-from vllm_omni_kv.kvcache.blocks import gather_request_kv, request_kv_shape, scatter_request_kv
 from vllm_omni_kv.kvcache.kv_utils import LayerKV, normalize_layer_kv
 from vllm_omni_kv.kvcache.meta import TOKEN_MAJOR, PayloadMeta
+from vllm_omni_kv.kvcache.request_blocks import (
+    gather_request_kv,
+    request_kv_shape,
+    scatter_request_kv,
+)
 from vllm_omni_kv.wire.codec import LazyTensor
 from vllm_omni_kv.wire.payload import KVCacheTransferData
 from vllm_omni_kv.wire.stream import PayloadStream, Span

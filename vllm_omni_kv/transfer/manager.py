@@ -30,6 +30,8 @@ from vllm_omni_kv.kvcache.kv_utils import (
     validate_kv_tp_topology,
 )
 from vllm_omni_kv.kvcache.paged_blocks import blocks_to_tokens, is_block_payload
+from vllm_omni_kv.kvcache.shared_pages import is_shared_payload
+from vllm_omni_kv.kvcache.shared_pages_plan import materialize_pages
 from vllm_omni_kv.kvcache.token_major import extract_request_kv, to_device, trim_to_num_tokens
 from vllm_omni_kv.logger import init_logger
 from vllm_omni_kv.transfer import distributed
@@ -299,6 +301,8 @@ class OmniKVTransferManager:
             except KVTransferTimeout as e:
                 logger.warning("no KV for request %s (key %s): %s", request_id, key, e)
                 return None, 0
+            if is_shared_payload(obj):  # pages of the producer's cache: copy them out
+                obj = materialize_pages(obj, session.cache_region)
             payloads.append(blocks_to_tokens(obj) if is_block_payload(obj) else obj)
             total += moved
         data: dict[str, Any] | None

@@ -23,12 +23,12 @@ import torch
 pytest.importorskip("nixl", reason="nixl is not installed (pip install nixl)")
 
 from vllm_omni_kv.backends.factory import OmniConnectorFactory  # noqa: E402
-from vllm_omni_kv.backends.nixl.connector import NixlConnector, selftest  # noqa: E402
-from vllm_omni_kv.backends.spec import ConnectorSpec  # noqa: E402
-from vllm_omni_kv.backends.transfer_engine.side_channel import (  # noqa: E402
+from vllm_omni_kv.backends.nixl.connector import NixlPullConnector, selftest  # noqa: E402
+from vllm_omni_kv.backends.pull.side_channel import (  # noqa: E402
     SideChannelClient,
     SideChannelServer,
 )
+from vllm_omni_kv.backends.spec import ConnectorSpec  # noqa: E402
 from vllm_omni_kv.errors import (  # noqa: E402
     BackendUnavailable,
     KVPayloadError,
@@ -43,8 +43,8 @@ from ..conformance import SenderProcess, nixl_config, wait_until  # noqa: E402
 pytestmark = pytest.mark.nixl
 
 
-def _conn(role: str, pool_mib: int = 16, **over: Any) -> NixlConnector:
-    return NixlConnector(nixl_config(role, pool_mib=pool_mib, **over))
+def _conn(role: str, pool_mib: int = 16, **over: Any) -> NixlPullConnector:
+    return NixlPullConnector(nixl_config(role, pool_mib=pool_mib, **over))
 
 
 def _free_port() -> int:
@@ -54,7 +54,7 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def receivers() -> Iterator[list[NixlConnector]]:
+def receivers() -> Iterator[list[NixlPullConnector]]:
     rs = [_conn("receiver") for _ in range(2)]
     yield rs
     leaked = [r.pool.allocator.used for r in rs]
@@ -68,7 +68,7 @@ def _layers(n: int = 8, rows: int = 4096) -> dict[str, torch.Tensor]:
     return {f"l{i}": torch.randn(rows, 64, generator=g) for i in range(n)}  # 1 MiB each
 
 
-def test_load_pulls_only_the_spans_it_is_asked_for(receivers: list[NixlConnector]) -> None:
+def test_load_pulls_only_the_spans_it_is_asked_for(receivers: list[NixlPullConnector]) -> None:
     s = _conn("sender")
     try:
         layers = _layers()
@@ -136,7 +136,7 @@ def test_sender_dies_mid_pull_clean_error_no_leak(caplog: pytest.LogCaptureFixtu
     before it pulled the rest: the load fails with a KVTransferError within the timeout."""
     # pytest keeps log records; the warning about the unconfirmed release holds the failure's
     # exceptions, whose tracebacks reach the stream and its receive block: keep it unlogged
-    caplog.set_level(logging.ERROR, logger="vllm_omni_kv.backends.transfer_engine.pull")
+    caplog.set_level(logging.ERROR, logger="vllm_omni_kv.backends.pull.pull")
     proc = SenderProcess(nixl_config("sender", pool_mib=64), backend="nixl")
     r = _conn("receiver", pool_mib=64, transfer_timeout_s=3.0, side_channel_timeout_s=1.0)
     try:
@@ -170,7 +170,7 @@ def test_sender_dies_mid_pull_clean_error_no_leak(caplog: pytest.LogCaptureFixtu
 
 
 @pytest.mark.slow
-def test_two_consumers_in_parallel_then_exhausted(receivers: list[NixlConnector]) -> None:
+def test_two_consumers_in_parallel_then_exhausted(receivers: list[NixlPullConnector]) -> None:
     proc = SenderProcess(nixl_config("sender", pool_mib=32, max_pulls=2), backend="nixl")
     try:
         layers = _layers(4)
@@ -196,7 +196,7 @@ def test_two_consumers_in_parallel_then_exhausted(receivers: list[NixlConnector]
         proc.stop()
 
 
-def test_ttl_expiry_frees_unpulled_buffers(receivers: list[NixlConnector]) -> None:
+def test_ttl_expiry_frees_unpulled_buffers(receivers: list[NixlPullConnector]) -> None:
     s = _conn("sender", buffer_ttl_s=0.3)
     try:
         _ok, _size, meta = s.put("0", "1", "stale", torch.ones(1 << 16))
@@ -231,7 +231,7 @@ def test_factory_alias_and_selftest() -> None:
         ConnectorSpec("nixl", nixl_config("dual", pool_mib=4))
     )
     try:
-        assert isinstance(c, NixlConnector) and c.health()["backend"] == "nixl"
+        assert isinstance(c, NixlPullConnector) and c.health()["backend"] == "nixl"
     finally:
         c.close()
     result = selftest()
@@ -291,7 +291,7 @@ def test_a_cache_registered_after_the_handshake_is_pulled_after_reloading() -> N
     cache was registered after a consumer loaded that metadata (a pool pull came first):
     the consumer's first page pull loads it again, then reads; a range the producer never
     registered is refused before any transfer."""
-    from vllm_omni_kv.backends.transfer_engine.selftest import pull_pages
+    from vllm_omni_kv.backends.pull.selftest import pull_pages
 
     sender = _conn("sender", register_cache=True)
     receiver = _conn("receiver", register_cache=True)

@@ -30,7 +30,7 @@ def test_datasystem_connector_names_its_package() -> None:
 
 @absent
 def test_transfer_engine_connector_names_its_package() -> None:
-    from vllm_omni_kv.backends.transfer_engine.yuanrong import YuanrongTransferEngineConnector
+    from vllm_omni_kv.backends.pull.yuanrong import YuanrongTransferEngineConnector
 
     with pytest.raises(BackendUnavailable, match="pip install openyuanrong-transfer-engine"):
         YuanrongTransferEngineConnector({"role": "sender"})

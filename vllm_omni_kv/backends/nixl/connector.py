@@ -1,8 +1,8 @@
-"""``NixlConnector``: pull-based KV transfer over NIXL agents (UCX by default).
+"""``NixlPullConnector``: pull-based KV transfer over NIXL agents (UCX by default).
 
-The protocol is the pull connector's (:mod:`vllm_omni_kv.backends.transfer_engine.pull`):
+The protocol is the pull connector's (:mod:`vllm_omni_kv.backends.pull.pull`):
 ``put`` stages the frame in the sender's registered pool and exposes it in an
-:class:`~vllm_omni_kv.backends.transfer_engine.exposure.ExposureTable`; the receiver
+:class:`~vllm_omni_kv.backends.pull.exposure.ExposureTable`; the receiver
 ``acquire``\\ s a lease over the ZMQ side channel, pulls prelude, header and trailer,
 then only the chunk ranges ``load(spans)`` needs (each verified by the codec), and
 ``release``\\ s. NIXL replaces the Mooncake engine: the pool is registered once with
@@ -20,7 +20,7 @@ Config keys: those of the pull connector (``role``, ``host``, ``zmq_port``,
 ``mooncake_te``: this engine's KV cache is registered with the agent too, ``DRAM`` on
 CPU and ``VRAM`` of its device on a GPU, and consumers pull just the page runs they
 lack straight out of it; see
-:class:`~vllm_omni_kv.backends.transfer_engine.cache_region.CacheRegionConnector`).
+:class:`~vllm_omni_kv.backends.pull.cache_region.CacheRegionConnector`).
 
 What runs where: on CPU the pool is host memory (``DRAM``) and UCX moves it over
 shared memory / TCP on one host, RDMA between hosts where present. With
@@ -36,12 +36,12 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from vllm_omni_kv.backends.nixl.engine import MD_OP, NixlEngine
-from vllm_omni_kv.backends.transfer_engine.cache_region import CacheRegionConnector
-from vllm_omni_kv.backends.transfer_engine.pull import EngineAdapter
+from vllm_omni_kv.backends.pull.cache_region import CacheRegionConnector
+from vllm_omni_kv.backends.pull.pull import EngineAdapter
 from vllm_omni_kv.errors import ConfigError
 
 
-class NixlConnector(CacheRegionConnector):
+class NixlPullConnector(CacheRegionConnector):
     """Omni connector over NIXL with a managed, registered pool (and with
     ``register_cache``, the KV cache registered too)."""
 
@@ -66,10 +66,10 @@ class NixlConnector(CacheRegionConnector):
             hs_retries = int(cfg.get("handshake_retries", 1))
             threads = int(cfg.get("nixl_num_threads", 0))
         except (TypeError, ValueError) as e:
-            raise ConfigError(f"NixlConnector: bad numeric setting: {e}") from None
+            raise ConfigError(f"NixlPullConnector: bad numeric setting: {e}") from None
         if not backends or hs_timeout <= 0 or hs_retries < 0:
             raise ConfigError(
-                "NixlConnector needs nixl_backends (e.g. ['UCX']), handshake_timeout_s > 0 "
+                "NixlPullConnector needs nixl_backends (e.g. ['UCX']), handshake_timeout_s > 0 "
                 "and handshake_retries >= 0"
             )
         self._nixl = NixlEngine(
@@ -101,7 +101,7 @@ class NixlConnector(CacheRegionConnector):
 def selftest() -> dict[str, Any]:
     """Round trip (tensor + object) between two connectors of this process over NIXL/UCX."""
     try:
-        from vllm_omni_kv.backends.transfer_engine.selftest import pull_round_trip
+        from vllm_omni_kv.backends.pull.selftest import pull_round_trip
 
         base = {
             "host": "127.0.0.1",
@@ -109,9 +109,9 @@ def selftest() -> dict[str, Any]:
             "memory_pool_size": 8 << 20,
             "transfer_timeout_s": 10.0,
         }
-        sender = NixlConnector({**base, "role": "sender"})
+        sender = NixlPullConnector({**base, "role": "sender"})
         try:
-            receiver = NixlConnector({**base, "role": "receiver"})
+            receiver = NixlPullConnector({**base, "role": "receiver"})
             try:
                 failed = pull_round_trip(sender, receiver)
                 if failed:
@@ -132,6 +132,6 @@ def selftest() -> dict[str, Any]:
 def cache_selftest() -> dict[str, Any]:
     """``register_cache``: pages of one connector's registered cache pulled by another
     over NIXL/UCX (two agents of this process)."""
-    from vllm_omni_kv.backends.transfer_engine.selftest import cache_round_trip
+    from vllm_omni_kv.backends.pull.selftest import cache_round_trip
 
-    return cache_round_trip(NixlConnector)
+    return cache_round_trip(NixlPullConnector)

@@ -26,7 +26,7 @@ import uuid
 from collections import OrderedDict
 from typing import Any
 
-from vllm_omni_kv.backends.transfer_engine.side_channel import SideChannelClient
+from vllm_omni_kv.backends.pull.side_channel import SideChannelClient
 from vllm_omni_kv.errors import BackendUnavailable, KVTransferError, KVTransferTimeout
 from vllm_omni_kv.logger import init_logger
 from vllm_omni_kv.wire.auth import AuthKey

@@ -20,8 +20,8 @@ from typing import Any, ClassVar
 
 from vllm_omni_kv.backends.base import OmniConnectorBase
 from vllm_omni_kv.backends.keys import edge_key, is_request_key
+from vllm_omni_kv.backends.pull.yuanrong import import_transfer_engine
 from vllm_omni_kv.backends.stats import COMMON, Counters
-from vllm_omni_kv.backends.transfer_engine.yuanrong import import_transfer_engine
 from vllm_omni_kv.errors import BackendUnavailable, ConfigError, KVTransferError
 from vllm_omni_kv.logger import init_logger
 from vllm_omni_kv.wire import codec

@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 from typing import Any, TypeGuard
 
-from vllm_omni_kv.backends.transfer_engine.exposure import ExposureTable
-from vllm_omni_kv.backends.transfer_engine.pull_stream import EngineAdapter
+from vllm_omni_kv.backends.pull.exposure import ExposureTable
+from vllm_omni_kv.backends.pull.pull_stream import EngineAdapter
 
 __all__ = ["SenderOps"]
 

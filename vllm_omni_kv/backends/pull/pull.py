@@ -34,9 +34,8 @@ from vllm_omni_kv.backends.base import OmniConnectorBase
 from vllm_omni_kv.backends.keys import edge_key, is_request_key
 from vllm_omni_kv.backends.net import local_ip
 from vllm_omni_kv.backends.pool import ManagedBuffer, MemoryPool
-from vllm_omni_kv.backends.stats import COMMON, Counters
-from vllm_omni_kv.backends.transfer_engine.exposure import ExposureTable
-from vllm_omni_kv.backends.transfer_engine.pull_stream import (
+from vllm_omni_kv.backends.pull.exposure import ExposureTable
+from vllm_omni_kv.backends.pull.pull_stream import (
     EngineAdapter,
     Lease,
     LeaseBook,
@@ -45,14 +44,15 @@ from vllm_omni_kv.backends.transfer_engine.pull_stream import (
     PullFrameStream,
     RawPullStream,
 )
-from vllm_omni_kv.backends.transfer_engine.sender_ops import SenderOps
-from vllm_omni_kv.backends.transfer_engine.sender_requests import SenderEndpoints, SenderRequests
-from vllm_omni_kv.backends.transfer_engine.side_channel import (
+from vllm_omni_kv.backends.pull.sender_ops import SenderOps
+from vllm_omni_kv.backends.pull.sender_requests import SenderEndpoints, SenderRequests
+from vllm_omni_kv.backends.pull.side_channel import (
     PORT_KEYS,
     SideChannelServer,
     sender_zmq_port,
 )
-from vllm_omni_kv.backends.transfer_engine.staging import sized, stage_in_pool
+from vllm_omni_kv.backends.pull.staging import sized, stage_in_pool
+from vllm_omni_kv.backends.stats import COMMON, Counters
 from vllm_omni_kv.errors import ConfigError, KVTransferError, KVTransferTimeout
 from vllm_omni_kv.logger import init_logger
 from vllm_omni_kv.wire.auth import auth_of

@@ -3,7 +3,7 @@
 The receiver pulls from the sender's registered pool with
 ``TransferEngine.transfer_sync_read`` (RDMA, or TCP on hosts without RDMA),
 after learning address and size over a ZMQ side channel; see
-:mod:`vllm_omni_kv.backends.transfer_engine.pull` for the protocol, pulls by N
+:mod:`vllm_omni_kv.backends.pull.pull` for the protocol, pulls by N
 receivers (``max_pulls``), TTL expiry and timeouts.
 
 Config keys: ``role`` (sender / receiver / dual), ``host`` ("auto": this
@@ -25,7 +25,7 @@ this long, and the pull is retried on a fresh one; it sets
 ``register_cache`` (default False: register the engine's KV cache with the
 transfer engine, so that consumers pull the pages they lack straight out of it and
 payloads are small frames of block ids; see
-:mod:`vllm_omni_kv.backends.transfer_engine.cache_region`. Set it on both stages. A
+:mod:`vllm_omni_kv.backends.pull.cache_region`. Set it on both stages. A
 CUDA cache is registered as device memory with the CUDA build only, a path not run on
 a GPU yet), ``verify_pages`` (with ``register_cache``: a digest per page, verified by
 consumers; host caches; default false).
@@ -47,8 +47,8 @@ import importlib.metadata
 import os
 from typing import Any, ClassVar
 
-from vllm_omni_kv.backends.transfer_engine.cache_region import CacheRegionConnector
-from vllm_omni_kv.backends.transfer_engine.pull import EngineAdapter
+from vllm_omni_kv.backends.pull.cache_region import CacheRegionConnector
+from vllm_omni_kv.backends.pull.pull import EngineAdapter
 from vllm_omni_kv.errors import BackendUnavailable, KVTransferError
 from vllm_omni_kv.logger import init_logger
 
@@ -195,7 +195,7 @@ class MooncakeTransferEngineConnector(CacheRegionConnector):
 def selftest() -> dict[str, Any]:
     """Loopback round trip (tensor + object) through one dual-role connector on 127.0.0.1/tcp."""
     try:
-        from vllm_omni_kv.backends.transfer_engine.selftest import pull_round_trip
+        from vllm_omni_kv.backends.pull.selftest import pull_round_trip
 
         cfg = {
             "role": "dual",
@@ -223,6 +223,6 @@ def selftest() -> dict[str, Any]:
 def cache_selftest() -> dict[str, Any]:
     """``register_cache``: pages of one connector's registered cache pulled by another
     (two engines of this process, TCP on 127.0.0.1)."""
-    from vllm_omni_kv.backends.transfer_engine.selftest import cache_round_trip
+    from vllm_omni_kv.backends.pull.selftest import cache_round_trip
 
     return cache_round_trip(MooncakeTransferEngineConnector, protocol="tcp")

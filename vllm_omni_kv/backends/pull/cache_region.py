@@ -1,7 +1,7 @@
 """The producer's KV cache registered with a pull connector's engine (``register_cache``).
 
 One implementation for every engine behind the pull connector's
-:class:`~vllm_omni_kv.backends.transfer_engine.pull_stream.EngineAdapter` (Mooncake
+:class:`~vllm_omni_kv.backends.pull.pull_stream.EngineAdapter` (Mooncake
 Transfer Engine, NIXL): it registers memory with the engine and pulls with the
 connector's bounded (batched) engine reads, nothing engine-specific.
 
@@ -53,8 +53,8 @@ import torch
 
 from vllm_omni_kv.backends.cache_region import AllocateHostCache, CacheRegion
 from vllm_omni_kv.backends.keys import edge_key
-from vllm_omni_kv.backends.transfer_engine.page_pull import PagePull
-from vllm_omni_kv.backends.transfer_engine.pull import PullTransferConnector
+from vllm_omni_kv.backends.pull.page_pull import PagePull
+from vllm_omni_kv.backends.pull.pull import PullTransferConnector
 from vllm_omni_kv.errors import ConfigError, KVPayloadError, KVTransferError
 from vllm_omni_kv.kvcache.cache_layout import KVLayoutId, page_view
 from vllm_omni_kv.kvcache.shared_pages import attach_layers, layer_geometry

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from vllm_omni_kv.backends.pool import ManagedBuffer
-from vllm_omni_kv.backends.transfer_engine.pull import PullTransferConnector
+from vllm_omni_kv.backends.pull.pull import PullTransferConnector
 from vllm_omni_kv.kvcache.cache_layout import infer_identity
 from vllm_omni_kv.kvcache.shared_pages import describe_request, layer_geometry, shared_fields
 

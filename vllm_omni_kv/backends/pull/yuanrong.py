@@ -1,5 +1,5 @@
 """``YuanrongTransferEngineConnector``: the pull connector of
-:mod:`vllm_omni_kv.backends.transfer_engine.pull` over the Yuanrong transfer engine.
+:mod:`vllm_omni_kv.backends.pull.pull` over the Yuanrong transfer engine.
 
 The engine is ``yr.datasystem.TransferEngine`` (``initialize("host:port", protocol,
 device_name)``, ``register_memory``, ``transfer_sync_read``, ``finalize``; each
@@ -20,7 +20,7 @@ import os
 from typing import Any, ClassVar
 
 from vllm_omni_kv.backends.net import free_port
-from vllm_omni_kv.backends.transfer_engine.pull import EngineAdapter, PullTransferConnector
+from vllm_omni_kv.backends.pull.pull import EngineAdapter, PullTransferConnector
 from vllm_omni_kv.errors import BackendUnavailable, KVTransferError
 
 TRANSFER_ENGINE_PACKAGE = "openyuanrong-transfer-engine"

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from vllm_omni_kv.backends.pool import BufferAllocator, ManagedBuffer, MemoryPool
-from vllm_omni_kv.backends.transfer_engine.side_channel import SideChannelClient, SideChannelServer
+from vllm_omni_kv.backends.pull.side_channel import SideChannelClient, SideChannelServer
 from vllm_omni_kv.errors import ConfigError, KVTransferError, KVTransferTimeout
 
 from ..conformance import SenderProcess, te_config, wait_until
@@ -126,7 +126,7 @@ def test_side_channel_timeout_and_bad_ops() -> None:
 
 def _conn(role: str, **over: Any) -> Any:
     pytest.importorskip("mooncake.engine", reason="mooncake-transfer-engine is not installed")
-    from vllm_omni_kv.backends.transfer_engine.mooncake import MooncakeTransferEngineConnector
+    from vllm_omni_kv.backends.pull.mooncake import MooncakeTransferEngineConnector
 
     return MooncakeTransferEngineConnector(
         te_config(role, pool_mib=over.pop("pool_mib", 16), **over)
@@ -393,7 +393,7 @@ def test_acquire_that_timed_out_does_not_block_the_retry() -> None:
 
 
 def test_exposure_table_holder_replaces_its_own_lease() -> None:
-    from vllm_omni_kv.backends.transfer_engine.exposure import ExposureTable
+    from vllm_omni_kv.backends.pull.exposure import ExposureTable
 
     pool = MemoryPool(1 << 20)
     t = ExposureTable(ttl_s=60, max_pulls=1)
@@ -417,7 +417,7 @@ def test_tcp_progress_timeout_sets_mooncake_env() -> None:
     code = (
         "import os\n"
         "os.environ.pop('MC_TCP_PROGRESS_TIMEOUT_SEC', None)\n"
-        "from vllm_omni_kv.backends.transfer_engine.mooncake import MooncakeTransferEngineConnector as C\n"
+        "from vllm_omni_kv.backends.pull.mooncake import MooncakeTransferEngineConnector as C\n"
         "c = C({'role': 'receiver', 'protocol': 'tcp', 'host': '127.0.0.1',\n"
         "       'memory_pool_size': 1 << 20, 'tcp_progress_timeout_s': 2})\n"
         "print('MC=' + os.environ['MC_TCP_PROGRESS_TIMEOUT_SEC'])\n"
@@ -488,7 +488,7 @@ def test_roles_and_ports(receivers: list[Any]) -> None:
         assert info["zmq_port"] == s.zmq_port and info["session"].endswith(str(info["rpc_port"]))
     finally:
         s.close()
-    from vllm_omni_kv.backends.transfer_engine.side_channel import sender_zmq_port
+    from vllm_omni_kv.backends.pull.side_channel import sender_zmq_port
     from vllm_omni_kv.kvcache.kv_utils import kv_zmq_port
 
     cfg = {"zmq_port": 20000, "from_stage": 2, "local_rank": 3, "replica_id": 0}
@@ -502,7 +502,7 @@ def test_roles_and_ports(receivers: list[Any]) -> None:
 
 @pytest.mark.mooncake
 def test_selftest() -> None:
-    from vllm_omni_kv.backends.transfer_engine.mooncake import selftest
+    from vllm_omni_kv.backends.pull.mooncake import selftest
 
     res = selftest()
     assert res["ok"], res["detail"]
@@ -551,7 +551,7 @@ def _raw_request(endpoint: str, payload: bytes, timeout_ms: int = 1000) -> bytes
 def test_side_channel_survives_malformed_oversized_and_flooding_clients() -> None:
     import msgpack
 
-    from vllm_omni_kv.backends.transfer_engine.side_channel import MAX_MESSAGE
+    from vllm_omni_kv.backends.pull.side_channel import MAX_MESSAGE
 
     server = SideChannelServer("127.0.0.1", 0, lambda m: {"ok": True}, max_rate=50)
     client = SideChannelClient(timeout_s=1.0)

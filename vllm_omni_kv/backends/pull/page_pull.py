@@ -7,7 +7,7 @@ pool (at most :data:`STAGE_BYTES` at a time) and is copied into the cache from t
 Every read is bounded by the copy's deadline (``transfer_timeout_s``); page digests,
 when the payload carries them, are verified once the pages are in. The caller has
 bounds-checked every page against both caches (see
-:meth:`~vllm_omni_kv.backends.transfer_engine.cache_region.TECacheRegion.copy_into`).
+:meth:`~vllm_omni_kv.backends.pull.cache_region.TECacheRegion.copy_into`).
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from vllm_omni_kv.backends.pool import ManagedBuffer
-from vllm_omni_kv.backends.transfer_engine.pull_stream import when_reads_end
+from vllm_omni_kv.backends.pull.pull_stream import when_reads_end
 from vllm_omni_kv.errors import KVPayloadError
 from vllm_omni_kv.kvcache.cache_layout import dense_pages
 from vllm_omni_kv.kvcache.shared_pages import check_pages, page_runs
 from vllm_omni_kv.logger import init_logger
 
 if TYPE_CHECKING:
-    from vllm_omni_kv.backends.transfer_engine.pull import PullTransferConnector
+    from vllm_omni_kv.backends.pull.pull import PullTransferConnector
 
 logger = init_logger(__name__)
 

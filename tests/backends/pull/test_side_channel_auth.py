@@ -14,7 +14,7 @@ import pytest
 import torch
 import zmq
 
-from vllm_omni_kv.backends.transfer_engine.side_channel import (
+from vllm_omni_kv.backends.pull.side_channel import (
     MAX_SKEW_S,
     SideChannelClient,
     SideChannelServer,
@@ -203,7 +203,7 @@ def test_forged_replies_are_errors(forge: Any, match: str) -> None:
 
 def _te(role: str, auth: AuthKey | None) -> Any:
     pytest.importorskip("mooncake.engine", reason="mooncake-transfer-engine is not installed")
-    from vllm_omni_kv.backends.transfer_engine.mooncake import MooncakeTransferEngineConnector
+    from vllm_omni_kv.backends.pull.mooncake import MooncakeTransferEngineConnector
 
     cfg = te_config(role, pool_mib=8, buffer_ttl_s=2.0)
     if auth is not None:

@@ -13,7 +13,7 @@ import threading
 import time
 from typing import Any
 
-from vllm_omni_kv.backends.transfer_engine.side_channel import SideChannelClient
+from vllm_omni_kv.backends.pull.side_channel import SideChannelClient
 from vllm_omni_kv.errors import KVTransferError
 from vllm_omni_kv.wire.auth import AuthKey
 
