@@ -4,7 +4,9 @@ Used by the end-to-end tests and ``benchmarks/pd_bench.py``. Started as
 ``python -m vllm_omni_kv.testing.engine_proc '<json config>'``; answers on
 stdout with lines prefixed by :data:`MARK` (vLLM's own logging goes there too).
 The config holds ``model`` and optional ``LLM`` settings (:data:`LLM_KEYS`)
-plus ``kv_transfer_config``. Commands: ``{"cmd": "generate", "prompts":
+plus ``kv_transfer_config``; ``"in_process": true`` runs the engine core and its worker
+in this one process (vLLM's ``InprocClient`` and ``uni`` executor, TP 1 only: one
+interpreter start instead of three). Commands: ``{"cmd": "generate", "prompts":
 [[token ids]...], "max_tokens": n, "kv_transfer_params": [dict|None...],
 "logprobs": k}`` and ``{"cmd": "exit"}``; with ``logprobs`` each output carries
 ``top2``, the two highest logprobs per generated token.
@@ -69,6 +71,8 @@ def _serve(cfg: dict[str, Any]) -> None:
     settings = {k: v for k, v in settings.items() if v is not None}
     if settings["tensor_parallel_size"] > 1:
         settings["distributed_executor_backend"] = "mp"
+    elif cfg.get("in_process"):
+        settings["distributed_executor_backend"] = "uni"
     llm = LLM(
         model=cfg["model"],
         enforce_eager=True,
@@ -131,6 +135,10 @@ class EngineProc:
         full_env = dict(os.environ)
         full_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         full_env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+        if cfg.get("in_process"):
+            if cfg.get("tensor_parallel_size", 1) > 1:
+                raise ValueError("in_process needs tensor_parallel_size 1")
+            full_env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         full_env.update(env or {})
         self.log_lines: deque[str] = deque(maxlen=4000)
         self.log_path = log
