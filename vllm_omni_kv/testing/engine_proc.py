@@ -139,6 +139,8 @@ class EngineProc:
             if cfg.get("tensor_parallel_size", 1) > 1:
                 raise ValueError("in_process needs tensor_parallel_size 1")
             full_env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            # one torch thread, as vLLM's CPU worker process sets for itself
+            full_env.setdefault("OMP_NUM_THREADS", "1")
         full_env.update(env or {})
         self.log_lines: deque[str] = deque(maxlen=4000)
         self.log_path = log
