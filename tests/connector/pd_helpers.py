@@ -100,6 +100,8 @@ def engines(*cfgs: tuple[str, dict[str, Any]]) -> Iterator[list[EngineProc]]:
         yield procs
     finally:
         for p in procs:
+            p.request_stop()
+        for p in procs:
             p.stop()
         killed = any(p.proc.returncode == -signal.SIGKILL for p in procs)
         left = {n for n in omnikv_files() - before if not _owned_by_live_process(n)}

@@ -152,6 +152,8 @@ def test_two_shm_deployments_keep_to_their_namespace(
     b_files = ns_files(ns_b)
     assert b_files, "deployment B published nothing in its namespace"
     for eng in (prod_a, cons_a):
+        eng.request_stop()
+    for eng in (prod_a, cons_a):
         eng.stop()
     assert not ns_files(ns_a), f"deployment A left files: {sorted(ns_files(ns_a))}"
     assert b_files <= ns_files(ns_b), "A's shutdown deleted B's live files"

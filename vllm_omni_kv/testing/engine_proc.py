@@ -219,15 +219,21 @@ class EngineProc:
             kill_group(self.proc.pid)
         self.proc.wait(timeout=30)
 
-    def stop(self, timeout: float = 60.0) -> None:
-        if self.proc.poll() is None:
+    def request_stop(self) -> None:
+        """Ask the engine to exit and return at once (:meth:`stop` waits for it): engines
+        asked together shut down in parallel."""
+        stdin = self.proc.stdin
+        if self.proc.poll() is None and stdin is not None and not stdin.closed:
             try:
-                assert self.proc.stdin is not None
-                self.proc.stdin.write(json.dumps({"cmd": "exit"}) + "\n")
-                self.proc.stdin.flush()
-                self.proc.stdin.close()
+                stdin.write(json.dumps({"cmd": "exit"}) + "\n")
+                stdin.flush()
+                stdin.close()
             except (BrokenPipeError, OSError):
                 pass
+
+    def stop(self, timeout: float = 60.0) -> None:
+        if self.proc.poll() is None:
+            self.request_stop()
             try:
                 self.proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
