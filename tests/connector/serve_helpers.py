@@ -75,9 +75,13 @@ def _wait_healthy(url: str, procs: list[subprocess.Popen[bytes]], timeout: float
 
 
 @contextlib.contextmanager
-def serve_pd(model_dir: Path, producer: str, consumer: str, name: str) -> Iterator[tuple[str, str]]:
+def serve_pd(
+    model_dir: Path, producer: str, consumer: str, name: str, worker_in_core: bool = False
+) -> Iterator[tuple[str, str]]:
     """Start producer, consumer (``--kv-transfer-config`` JSON each) and the proxy; yield
-    ``(producer URL, proxy URL)``; always stop all three."""
+    ``(producer URL, proxy URL)``; always stop all three. ``worker_in_core``: each server's
+    model worker runs in its engine-core process (vLLM's ``uni`` executor, one torch
+    thread): two interpreters per server instead of three."""
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
     pp, dp, xp = free_port(), free_port(), free_port()
     common = [
@@ -88,6 +92,9 @@ def serve_pd(model_dir: Path, producer: str, consumer: str, name: str) -> Iterat
         "--enforce-eager",
         "--seed", "0",
     ]  # fmt: skip
+    if worker_in_core:
+        env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1")
+        common += ["--distributed-executor-backend", "uni"]
     procs: list[subprocess.Popen[bytes]] = []
     try:
         for role, port, cfg in (("p", pp, producer), ("d", dp, consumer)):
