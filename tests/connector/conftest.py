@@ -11,6 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from pd_helpers import live_arena_segment, omnikv_files  # noqa: E402
+from serve_helpers import Servers, example_servers  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -22,3 +23,11 @@ def no_shm_leaks() -> Iterator[None]:
     yield
     leaked = {n for n in omnikv_files() - before if not live_arena_segment(n)}
     assert not leaked, f"test leaked shared-memory files: {sorted(leaked)}"
+
+
+@pytest.fixture(scope="session")
+def example_pd(tiny_model_dir: Path) -> Iterator[Servers]:
+    """One ``vllm serve`` deployment of the example configs for every module that uses it
+    (test_pd_load, test_pd_serve): started once, stopped at the end of the session."""
+    with example_servers(tiny_model_dir) as servers:
+        yield servers

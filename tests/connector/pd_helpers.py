@@ -15,6 +15,7 @@ from vllm_omni_kv.testing.engine_proc import EngineProc, kill_group
 from vllm_omni_kv.tiny_model import prompt_text
 
 __all__ = [
+    "IN_PROCESS",
     "LOG_DIR",
     "NAMESPACE",
     "SMALL_CACHE_BLOCKS",
@@ -38,6 +39,9 @@ LOG_DIR = Path(os.environ.get("OMNIKV_TEST_LOGS", "/tmp/omnikv-test-logs"))
 #: the shared-memory namespace of this test run's engines: leak checks look only at its
 #: files, so another run (or a benchmark) on the same host cannot fail them
 NAMESPACE = f"pytest-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+#: TP-1 test engines run in one process; ``OMNIKV_TEST_IN_PROCESS=0`` gives them vLLM's
+#: engine-core and worker processes instead
+IN_PROCESS = os.environ.get("OMNIKV_TEST_IN_PROCESS", "1") != "0"
 
 
 def make_prompts(model_dir: Path, n: int, seed: int = 0) -> list[list[int]]:
@@ -72,7 +76,11 @@ def omni_ktc(role: str, policy: str | None = None, **extra: Any) -> dict[str, An
 
 
 def engine_cfg(model_dir: Path, ktc: dict[str, Any] | None = None, **kw: Any) -> dict[str, Any]:
-    cfg: dict[str, Any] = {"model": str(model_dir), **kw}
+    """An :class:`EngineProc` config; a TP-1 engine runs in one process (``in_process``:
+    a start takes about a third of the time; the ``vllm serve`` tests and TP > 1 engines
+    keep vLLM's engine-core and worker processes)."""
+    inproc = kw.get("tensor_parallel_size", 1) == 1 and IN_PROCESS
+    cfg: dict[str, Any] = {"model": str(model_dir), "in_process": inproc, **kw}
     if ktc is not None:
         cfg["kv_transfer_config"] = ktc
     return cfg
@@ -95,6 +103,8 @@ def engines(*cfgs: tuple[str, dict[str, Any]]) -> Iterator[list[EngineProc]]:
             p.wait_ready()
         yield procs
     finally:
+        for p in procs:
+            p.request_stop()
         for p in procs:
             p.stop()
         killed = any(p.proc.returncode == -signal.SIGKILL for p in procs)

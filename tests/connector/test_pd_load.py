@@ -1,5 +1,6 @@
 """Load through ``vllm serve``: a producer and a consumer (shared memory) behind the example
-proxy, 36 concurrent streaming requests of which 12 hang up mid-stream.
+proxy (the session's ``example_pd``, shared with test_pd_serve), 36 concurrent streaming
+requests of which 12 hang up mid-stream.
 
 Asserted: every request that is not aborted streams the tokens a colocated engine gives
 for its prompt (the producer answers requests without transfer parameters as an ordinary
@@ -12,11 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
-import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,15 +22,13 @@ from typing import Any
 import aiohttp
 import pytest
 import requests
-from pd_helpers import LOG_DIR, NAMESPACE, live_arena_segment, make_prompts, omnikv_files
-from test_pd_serve import EXAMPLE, SERVE, _start, _stop, _wait_healthy
-
-from vllm_omni_kv.testing.net import free_port
+from pd_helpers import LOG_DIR, live_arena_segment, make_prompts, omnikv_files
+from serve_helpers import EXAMPLE_SEND_TTL, Servers
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 #: seconds the producer keeps a payload nobody claimed (the example's 300, shortened)
-SEND_TTL = 4.0
+SEND_TTL = EXAMPLE_SEND_TTL
 REQUESTS = 36
 #: every third request hangs up: 12 of 36 (33%)
 ABORT_EVERY = 3
@@ -43,60 +39,10 @@ ABORTED_MAX_TOKENS = 256
 GREEDY = {"max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
 
 
-@dataclass
-class Stack:
-    model: str
-    prefill: str
-    decode: str
-    proxy: str
-    logs: list[Path]
-
-
-def _ktc(name: str, **extra: Any) -> str:
-    """An example ``--kv-transfer-config`` in this run's namespace, with ``extra`` set."""
-    cfg = json.loads((EXAMPLE / name).read_text())
-    ex = cfg["kv_connector_extra_config"]
-    ex.update(extra)
-    ex["backend_extra"] = {**ex.get("backend_extra", {}), "namespace": NAMESPACE}
-    return json.dumps(cfg)
-
-
-@pytest.fixture(scope="module")
-def stack(tiny_model_dir: Path) -> Iterator[Stack]:
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOG_STATS_INTERVAL="1")
-    pp, dp, xp = free_port(), free_port(), free_port()
-    common = [
-        "--model", str(tiny_model_dir), "--dtype", "float32", "--max-model-len", "2048",
-        "--block-size", "32", "--enforce-eager", "--seed", "0",
-    ]  # fmt: skip
-    procs, logs = [], []
-    try:
-        for name, port, ktc in (
-            ("load-producer", pp, _ktc("producer.json", send_ttl=SEND_TTL)),
-            ("load-consumer", dp, _ktc("consumer.json")),
-        ):
-            p, log = _start([*SERVE, *common, "--port", str(port), "--kv-transfer-config", ktc],
-                            name, env)  # fmt: skip
-            procs.append(p)
-            logs.append(log)
-        p, log = _start(
-            [sys.executable, str(EXAMPLE / "proxy.py"), "--port", str(xp),
-             "--prefill", f"http://127.0.0.1:{pp}", "--decode", f"http://127.0.0.1:{dp}"],
-            "load-proxy", env,
-        )  # fmt: skip
-        procs.append(p)
-        logs.append(log)
-        _wait_healthy(f"http://127.0.0.1:{xp}/health", procs, logs, timeout=300)
-        yield Stack(
-            str(tiny_model_dir),
-            f"http://127.0.0.1:{pp}",
-            f"http://127.0.0.1:{dp}",
-            f"http://127.0.0.1:{xp}",
-            logs,
-        )
-    finally:
-        for p in reversed(procs):
-            _stop(p)
+@pytest.fixture
+def stack(example_pd: Servers) -> Servers:
+    """The session's example deployment (shared with test_pd_serve)."""
+    return example_pd
 
 
 @dataclass
@@ -139,7 +85,7 @@ def _abort_plan(i: int) -> int | None:
     return 0 if (i // ABORT_EVERY) % 3 == 0 else 2
 
 
-async def _run(stack: Stack, prompts: list[list[int]], plan: list[int | None]) -> list[Outcome]:
+async def _run(stack: Servers, prompts: list[list[int]], plan: list[int | None]) -> list[Outcome]:
     timeout = aiohttp.ClientTimeout(total=300)
     async with aiohttp.ClientSession(timeout=timeout) as s:
         return await asyncio.gather(
@@ -160,7 +106,7 @@ async def _run(stack: Stack, prompts: list[list[int]], plan: list[int | None]) -
         )
 
 
-def _reference(stack: Stack, prompts: list[list[int]]) -> list[str]:
+def _reference(stack: Servers, prompts: list[list[int]]) -> list[str]:
     """Colocated answers: the producer without transfer parameters, one batch."""
     r = requests.post(
         stack.prefill + "/v1/completions",
@@ -182,7 +128,7 @@ def _metric(base: str, name: str, labels: str = "") -> float:
     return sum(float(m.group(1)) for m in pat.finditer(text))
 
 
-def _healthy(stack: Stack) -> None:
+def _healthy(stack: Servers) -> None:
     for base in (stack.prefill, stack.decode, stack.proxy):
         assert requests.get(base + "/health", timeout=10).status_code == 200, base
 
@@ -203,7 +149,7 @@ def _left_behind() -> set[str]:
     return {n for n in omnikv_files() if not live_arena_segment(n)}
 
 
-def _settled(stack: Stack, deadline_s: float) -> dict[str, float]:
+def _settled(stack: Servers, deadline_s: float) -> dict[str, float]:
     """Wait until nothing is running, held or left in /dev/shm; return what remains."""
     deadline = time.monotonic() + deadline_s
     state: dict[str, float] = {}
@@ -225,7 +171,7 @@ def _settled(stack: Stack, deadline_s: float) -> dict[str, float]:
 
 
 def test_concurrent_streams_with_aborts_then_no_leak_and_a_clean_rerun(
-    stack: Stack, tiny_model_dir: Path
+    stack: Servers, tiny_model_dir: Path
 ) -> None:
     prompts = [
         p for s in range(REQUESTS // 4) for p in make_prompts(tiny_model_dir, 4, seed=60 + s)

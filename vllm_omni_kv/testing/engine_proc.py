@@ -4,7 +4,9 @@ Used by the end-to-end tests and ``benchmarks/pd_bench.py``. Started as
 ``python -m vllm_omni_kv.testing.engine_proc '<json config>'``; answers on
 stdout with lines prefixed by :data:`MARK` (vLLM's own logging goes there too).
 The config holds ``model`` and optional ``LLM`` settings (:data:`LLM_KEYS`)
-plus ``kv_transfer_config``. Commands: ``{"cmd": "generate", "prompts":
+plus ``kv_transfer_config``; ``"in_process": true`` runs the engine core and its worker
+in this one process (vLLM's ``InprocClient`` and ``uni`` executor, TP 1 only: one
+interpreter start instead of three). Commands: ``{"cmd": "generate", "prompts":
 [[token ids]...], "max_tokens": n, "kv_transfer_params": [dict|None...],
 "logprobs": k}`` and ``{"cmd": "exit"}``; with ``logprobs`` each output carries
 ``top2``, the two highest logprobs per generated token.
@@ -69,6 +71,8 @@ def _serve(cfg: dict[str, Any]) -> None:
     settings = {k: v for k, v in settings.items() if v is not None}
     if settings["tensor_parallel_size"] > 1:
         settings["distributed_executor_backend"] = "mp"
+    elif cfg.get("in_process"):
+        settings["distributed_executor_backend"] = "uni"
     llm = LLM(
         model=cfg["model"],
         enforce_eager=True,
@@ -131,6 +135,12 @@ class EngineProc:
         full_env = dict(os.environ)
         full_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         full_env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+        if cfg.get("in_process"):
+            if cfg.get("tensor_parallel_size", 1) > 1:
+                raise ValueError("in_process needs tensor_parallel_size 1")
+            full_env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            # one torch thread, as vLLM's CPU worker process sets for itself
+            full_env.setdefault("OMP_NUM_THREADS", "1")
         full_env.update(env or {})
         self.log_lines: deque[str] = deque(maxlen=4000)
         self.log_path = log
@@ -209,15 +219,21 @@ class EngineProc:
             kill_group(self.proc.pid)
         self.proc.wait(timeout=30)
 
-    def stop(self, timeout: float = 60.0) -> None:
-        if self.proc.poll() is None:
+    def request_stop(self) -> None:
+        """Ask the engine to exit and return at once (:meth:`stop` waits for it): engines
+        asked together shut down in parallel."""
+        stdin = self.proc.stdin
+        if self.proc.poll() is None and stdin is not None and not stdin.closed:
             try:
-                assert self.proc.stdin is not None
-                self.proc.stdin.write(json.dumps({"cmd": "exit"}) + "\n")
-                self.proc.stdin.flush()
-                self.proc.stdin.close()
+                stdin.write(json.dumps({"cmd": "exit"}) + "\n")
+                stdin.flush()
+                stdin.close()
             except (BrokenPipeError, OSError):
                 pass
+
+    def stop(self, timeout: float = 60.0) -> None:
+        if self.proc.poll() is None:
+            self.request_stop()
             try:
                 self.proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:

@@ -28,7 +28,7 @@ EXTRA = {"host": "127.0.0.1", "memory_pool_size": 64 << 20}
 def urls(tiny_model_dir: Path) -> Iterator[tuple[str, str]]:
     producer = ktc("kv_producer", "nixl", {**EXTRA, "zmq_port": free_port()}, send_ttl=300)
     consumer = ktc("kv_consumer", "nixl", {**EXTRA, "side_channel_timeout_s": 5}, recv_timeout=30)
-    with serve_pd(tiny_model_dir, producer, consumer, "nixl-serve") as urls:
+    with serve_pd(tiny_model_dir, producer, consumer, "nixl-serve", worker_in_core=True) as urls:
         yield urls
 
 
