@@ -1,5 +1,5 @@
-"""Prefill/decode with real vLLM engines over shared memory: equivalence, failures and
-payload leases.
+"""Prefill/decode with real vLLM engines over shared memory with packed payloads
+(``share_cache: false``): equivalence, failures and payload leases.
 
 One producer and one consumer engine (``kv_load_failure_policy="recompute"``, a
 ``send_ttl`` of a few seconds, 65-block KV caches) serve every test of the module; the
@@ -120,7 +120,12 @@ def groups(tiny_model_dir: Path) -> dict[str, list[list[int]]]:
 
 @pytest.fixture(scope="module")
 def pd(tiny_model_dir: Path, groups: dict[str, list[list[int]]]) -> Iterator[PD]:
-    extra = {"backend_extra": {"heartbeat_stale_s": STALE}, "send_ttl": SEND_TTL}
+    # packed frames (share_cache off): the one-copy default has its own module,
+    # test_pd_one_copy; these tests corrupt, lease and reclaim packed segments
+    extra = {
+        "backend_extra": {"heartbeat_stale_s": STALE, "share_cache": False},
+        "send_ttl": SEND_TTL,
+    }
     prod_ktc = omni_ktc("kv_producer", backend="shm", **extra)
     cons_ktc = omni_ktc(
         "kv_consumer", "recompute", backend="shm", recv_timeout=RECV_TIMEOUT, **extra
