@@ -331,6 +331,50 @@ def _transfer_config_backend(src: Any, from_stage: str, to_stage: str) -> Connec
     return ConnectorSpec(spec.name, dict(spec.extra))
 
 
+def _advertised(raw: Mapping[str, Any], spec: ConnectorSpec) -> tuple[str, int]:
+    """``(remote_host, remote_port)`` a producer advertises (port 0: learned at start)."""
+    host = raw.get("remote_host", spec.extra.get("host", "127.0.0.1"))
+    if not isinstance(host, str) or not host:
+        raise ConfigError(f"{_WHERE}.remote_host must be a host name, got {host!r}")
+    port_raw = raw.get("remote_port", spec.extra.get("zmq_port", 0))
+    if isinstance(port_raw, bool) or not isinstance(port_raw, (int, str)):
+        raise ConfigError(f"{_WHERE}.remote_port must be a port number, got {port_raw!r}")
+    try:
+        port = int(port_raw)
+    except ValueError:
+        raise ConfigError(f"{_WHERE}.remote_port must be a port number, got {port_raw!r}") from None
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"{_WHERE}.remote_port must be in [0, 65535], got {port}")
+    return host, port
+
+
+def _transfer_cpus(raw: Mapping[str, Any]) -> str:
+    cpus = raw.get("transfer_cpus", "auto")
+    if cpus not in ("auto", "inherit"):
+        try:
+            if not isinstance(cpus, str):
+                raise ValueError("not a string")
+            parse_cpu_list(cpus)
+        except ValueError as e:
+            raise ConfigError(
+                f"{_WHERE}.transfer_cpus must be 'auto', 'inherit' or a CPU list like '0-3,8', "
+                f"got {cpus!r} ({e})"
+            ) from None
+    return str(cpus)
+
+
+def _layout(raw: Mapping[str, Any]) -> str | None:
+    layout = raw.get("kv_cache_layout")
+    if layout is None:
+        return None
+    if not isinstance(layout, str):
+        raise ConfigError(f"{_WHERE}.kv_cache_layout must be a layout name, got {layout!r}")
+    try:
+        return layout_name(layout)
+    except ConfigError as e:
+        raise ConfigError(f"{_WHERE}.kv_cache_layout: {e}") from None
+
+
 def parse_omni_kv_config(raw: Mapping[str, Any] | None, kv_role: str | None = None) -> OmniKVConfig:
     """Validate ``kv_connector_extra_config``; raise :class:`ConfigError` naming the field.
 
@@ -355,42 +399,14 @@ def parse_omni_kv_config(raw: Mapping[str, Any] | None, kv_role: str | None = No
         )
     load_threads = _positive_int(raw, "load_threads", 2)
     assert load_threads is not None
-    host = raw.get("remote_host", spec.extra.get("host", "127.0.0.1"))
-    if not isinstance(host, str) or not host:
-        raise ConfigError(f"{_WHERE}.remote_host must be a host name, got {host!r}")
-    port_raw = raw.get("remote_port", spec.extra.get("zmq_port", 0))
-    if isinstance(port_raw, bool) or not isinstance(port_raw, (int, str)):
-        raise ConfigError(f"{_WHERE}.remote_port must be a port number, got {port_raw!r}")
-    try:
-        port = int(port_raw)
-    except ValueError:
-        raise ConfigError(f"{_WHERE}.remote_port must be a port number, got {port_raw!r}") from None
-    if not 0 <= port <= 65535:
-        raise ConfigError(f"{_WHERE}.remote_port must be in [0, 65535], got {port}")
-    cpus = raw.get("transfer_cpus", "auto")
-    if cpus not in ("auto", "inherit"):
-        try:
-            if not isinstance(cpus, str):
-                raise ValueError("not a string")
-            parse_cpu_list(cpus)
-        except ValueError as e:
-            raise ConfigError(
-                f"{_WHERE}.transfer_cpus must be 'auto', 'inherit' or a CPU list like '0-3,8', "
-                f"got {cpus!r} ({e})"
-            ) from None
+    host, port = _advertised(raw, spec)
+    cpus = _transfer_cpus(raw)
     fmt = raw.get("transfer_format", "auto")
     if fmt not in TRANSFER_FORMATS:
         raise ConfigError(
             f"{_WHERE}.transfer_format must be one of {TRANSFER_FORMATS}, got {fmt!r}"
         )
-    layout = raw.get("kv_cache_layout")
-    if layout is not None:
-        if not isinstance(layout, str):
-            raise ConfigError(f"{_WHERE}.kv_cache_layout must be a layout name, got {layout!r}")
-        try:
-            layout = layout_name(layout)
-        except ConfigError as e:
-            raise ConfigError(f"{_WHERE}.kv_cache_layout: {e}") from None
+    layout = _layout(raw)
     try:
         auth = key_from_config(raw.get("auth_key_file"))
     except ConfigError as e:

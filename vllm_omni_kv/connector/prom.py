@@ -79,24 +79,22 @@ class OmniKVPromMetrics(KVConnectorPromMetrics):
             ),
             per,
         )
-        self.held = create_metric_per_engine(
-            self._gauge_cls(
-                name="vllm:omnikv_payloads_held",
-                documentation="Payloads a producer worker holds for consumers (max over TP ranks)",
-                labelnames=labelnames,
-                multiprocess_mode="mostrecent",
-            ),
-            per,
+        self.held = self._gauge(
+            "vllm:omnikv_payloads_held",
+            "Payloads a producer worker holds for consumers (max over TP ranks)",
+            labelnames,
         )
-        self.held_bytes = create_metric_per_engine(
-            self._gauge_cls(
-                name="vllm:omnikv_bytes_held",
-                documentation="Bytes of the payloads a producer worker holds (max over TP ranks)",
-                labelnames=labelnames,
-                multiprocess_mode="mostrecent",
-            ),
-            per,
+        self.held_bytes = self._gauge(
+            "vllm:omnikv_bytes_held",
+            "Bytes of the payloads a producer worker holds (max over TP ranks)",
+            labelnames,
         )
+
+    def _gauge(self, name: str, doc: str, labelnames: list[str]) -> dict[int, Any]:
+        gauge = self._gauge_cls(
+            name=name, documentation=doc, labelnames=labelnames, multiprocess_mode="mostrecent"
+        )
+        return create_metric_per_engine(gauge, self.per_engine_labelvalues)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         d = transfer_stats_data

@@ -103,26 +103,7 @@ class OmniKVWorker:
         ktc = getattr(vllm_config, "kv_transfer_config", None)  # None: both roles
         self.is_producer = ktc is None or bool(ktc.is_kv_producer)
         self.is_consumer = ktc is None or bool(ktc.is_kv_consumer)
-        spec = cfg.backend
-        if "local_rank" not in spec.extra:  # per-rank side-channel ports (network backends)
-            spec = ConnectorSpec(spec.name, {**spec.extra, "local_rank": self.tp_rank})
-        if cfg.backend_name in SHM_BACKENDS and "stream" not in spec.extra:
-            # a consumer learns a key only once its payload is complete: a frame streamed
-            # while it is written overlaps nothing here (the manager API keeps streaming)
-            spec = ConnectorSpec(spec.name, {**spec.extra, "stream": False})
-        cpus = background_cpus(cfg.transfer_cpus)
-        if cpus is not None:
-            logger.info("OmniKVConnector: transfer threads run on CPUs %s", describe(cpus))
-        policy = SessionPolicy(
-            cfg.poll_interval, cfg.max_poll_interval, max_part_bytes=cfg.max_part_bytes
-        )
-        try:
-            with spawn_on(cpus):  # the backend's threads (side channel, engine I/O)
-                self.session = TransferSession.open(
-                    spec, cfg.from_stage, cfg.to_stage, policy, auth=cfg.auth
-                )
-        except OmniKVError as e:
-            raise type(e)(f"kv_connector_extra_config.backend {cfg.backend.name!r}: {e}") from e
+        self.session = self._open_session(cfg)
         cfg.log_trust()
         self.layers: list[LayerCache] = []
         self.paged_blocks = False
@@ -148,6 +129,28 @@ class OmniKVWorker:
         self._stager: DeviceStager | None = None  # CUDA caches: one staging buffer per device
         self._region = self.session.cache_region  # one-copy pages (export or copy)
         self._export: PageExport | None = None  # producer: set once the cache is in the region
+
+    def _open_session(self, cfg: OmniKVConfig) -> TransferSession:
+        spec = cfg.backend
+        if "local_rank" not in spec.extra:  # per-rank side-channel ports (network backends)
+            spec = ConnectorSpec(spec.name, {**spec.extra, "local_rank": self.tp_rank})
+        if cfg.backend_name in SHM_BACKENDS and "stream" not in spec.extra:
+            # a consumer learns a key only once its payload is complete: a frame streamed
+            # while it is written overlaps nothing here (the manager API keeps streaming)
+            spec = ConnectorSpec(spec.name, {**spec.extra, "stream": False})
+        cpus = background_cpus(cfg.transfer_cpus)
+        if cpus is not None:
+            logger.info("OmniKVConnector: transfer threads run on CPUs %s", describe(cpus))
+        policy = SessionPolicy(
+            cfg.poll_interval, cfg.max_poll_interval, max_part_bytes=cfg.max_part_bytes
+        )
+        try:
+            with spawn_on(cpus):  # the backend's threads (side channel, engine I/O)
+                return TransferSession.open(
+                    spec, cfg.from_stage, cfg.to_stage, policy, auth=cfg.auth
+                )
+        except OmniKVError as e:
+            raise type(e)(f"kv_connector_extra_config.backend {cfg.backend.name!r}: {e}") from e
 
     def get_mem_pool_context(self) -> AbstractContextManager[Any] | None:
         """Where vLLM allocates the KV cache: a producer's exportable region, if any (a

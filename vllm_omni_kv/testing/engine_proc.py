@@ -85,45 +85,42 @@ def _serve(cfg: dict[str, Any]) -> None:
         req = json.loads(line)
         if req.get("cmd") == "exit":
             break
-        params = req.get("kv_transfer_params") or [None] * len(req["prompts"])
-        sps = [
-            SamplingParams(
-                temperature=0,
-                max_tokens=req.get("max_tokens", 16),
-                ignore_eos=True,
-                logprobs=req.get("logprobs"),
-                extra_args={"kv_transfer_params": dict(p)} if p else None,
-            )
-            for p in params
-        ]
-        prompts: Any = [{"prompt_token_ids": ids} for ids in req["prompts"]]
-        t0 = time.perf_counter()
-        try:
-            outs = llm.generate(prompts, sps, use_tqdm=False)
-        except Exception as e:  # report, keep serving
-            _emit({"error": f"{type(e).__name__}: {e}", "seconds": time.perf_counter() - t0})
-            continue
-        dt = time.perf_counter() - t0
-        _emit(
-            {
-                "seconds": dt,
-                "outputs": [
-                    {
-                        "request_id": o.request_id,
-                        "token_ids": list(o.outputs[0].token_ids),
-                        "finish_reason": o.outputs[0].finish_reason,
-                        "kv_transfer_params": o.kv_transfer_params,
-                        "num_cached_tokens": o.num_cached_tokens,
-                        **(
-                            {"top2": top2_logprobs(o.outputs[0].logprobs)}
-                            if req.get("logprobs")
-                            else {}
-                        ),
-                    }
-                    for o in outs
-                ],
-            }
+        _emit(_generate(llm, req, SamplingParams))
+
+
+def _generate(llm: Any, req: dict[str, Any], sampling_params: Any) -> dict[str, Any]:
+    """One ``generate`` request of the driver: its outputs, or the error it raised."""
+    params = req.get("kv_transfer_params") or [None] * len(req["prompts"])
+    sps = [
+        sampling_params(
+            temperature=0,
+            max_tokens=req.get("max_tokens", 16),
+            ignore_eos=True,
+            logprobs=req.get("logprobs"),
+            extra_args={"kv_transfer_params": dict(p)} if p else None,
         )
+        for p in params
+    ]
+    prompts: Any = [{"prompt_token_ids": ids} for ids in req["prompts"]]
+    t0 = time.perf_counter()
+    try:
+        outs = llm.generate(prompts, sps, use_tqdm=False)
+    except Exception as e:  # report, keep serving
+        return {"error": f"{type(e).__name__}: {e}", "seconds": time.perf_counter() - t0}
+    return {
+        "seconds": time.perf_counter() - t0,
+        "outputs": [
+            {
+                "request_id": o.request_id,
+                "token_ids": list(o.outputs[0].token_ids),
+                "finish_reason": o.outputs[0].finish_reason,
+                "kv_transfer_params": o.kv_transfer_params,
+                "num_cached_tokens": o.num_cached_tokens,
+                **({"top2": top2_logprobs(o.outputs[0].logprobs)} if req.get("logprobs") else {}),
+            }
+            for o in outs
+        ],
+    }
 
 
 class EngineProc:

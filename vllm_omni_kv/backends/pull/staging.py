@@ -32,22 +32,7 @@ def stage_in_pool(
             return data, data.size, True, None, None  # zero copy: we now own it
         data = data.tensor
     if isinstance(data, torch.Tensor):
-        name = codec.DTYPE_NAMES.get(data.dtype)
-        if name is None:
-            raise KVTransferError(f"tensor dtype {data.dtype} is not supported")
-        n = data.numel() * data.element_size()
-        buf = pool.alloc(max(n, 1))
-        try:
-            if n and host and data.device.type == "cpu" and data.is_contiguous():
-                # one plain memcpy: torch's copy_ goes through its intra-op thread pool,
-                # which costs milliseconds per call on a busy host
-                ctypes.memmove(buf.address, data.data_ptr(), n)
-            elif n:
-                buf.tensor[:n].view(data.dtype).view(data.shape).copy_(data)
-        except BaseException:
-            buf.release()
-            raise
-        return sized(buf, n), n, True, name, list(data.shape)
+        return _stage_tensor(pool, data, host)
     if isinstance(data, (bytes, bytearray, memoryview)):
         mv = memoryview(data).cast("B")
         buf = pool.alloc(max(mv.nbytes, 1))
@@ -77,6 +62,27 @@ def stage_in_pool(
         buf.release()
         raise
     return sized(buf, size), size, False, None, None
+
+
+def _stage_tensor(
+    pool: MemoryPool, data: torch.Tensor, host: bool
+) -> tuple[ManagedBuffer, int, bool, str | None, list[int] | None]:
+    name = codec.DTYPE_NAMES.get(data.dtype)
+    if name is None:
+        raise KVTransferError(f"tensor dtype {data.dtype} is not supported")
+    n = data.numel() * data.element_size()
+    buf = pool.alloc(max(n, 1))
+    try:
+        if n and host and data.device.type == "cpu" and data.is_contiguous():
+            # one plain memcpy: torch's copy_ goes through its intra-op thread pool,
+            # which costs milliseconds per call on a busy host
+            ctypes.memmove(buf.address, data.data_ptr(), n)
+        elif n:
+            buf.tensor[:n].view(data.dtype).view(data.shape).copy_(data)
+    except BaseException:
+        buf.release()
+        raise
+    return sized(buf, n), n, True, name, list(data.shape)
 
 
 def sized(buf: ManagedBuffer, size: int) -> ManagedBuffer:
