@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from pd_helpers import live_arena_segment, omnikv_files  # noqa: E402
+from pd_helpers import SERVE_NAMESPACE, live_arena_segment, omnikv_files  # noqa: E402
 from serve_helpers import Servers, example_servers  # noqa: E402
 
 
@@ -19,9 +19,10 @@ def no_shm_leaks() -> Iterator[None]:
     """Per test: no payload may be left behind. Engines here live for a whole module, so
     their producers' arena segments (reused across requests, unlinked when the engine
     stops) are checked by :func:`engines` when the module's engines are stopped."""
-    before = omnikv_files()
+    before = omnikv_files() | omnikv_files(SERVE_NAMESPACE)
     yield
-    leaked = {n for n in omnikv_files() - before if not live_arena_segment(n)}
+    after = omnikv_files() | omnikv_files(SERVE_NAMESPACE)
+    leaked = {n for n in after - before if not live_arena_segment(n)}
     assert not leaked, f"test leaked shared-memory files: {sorted(leaked)}"
 
 

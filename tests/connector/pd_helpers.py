@@ -18,6 +18,7 @@ __all__ = [
     "IN_PROCESS",
     "LOG_DIR",
     "NAMESPACE",
+    "SERVE_NAMESPACE",
     "SMALL_CACHE_BLOCKS",
     "EngineProc",
     "assert_cache_free",
@@ -39,6 +40,9 @@ LOG_DIR = Path(os.environ.get("OMNIKV_TEST_LOGS", "/tmp/omnikv-test-logs"))
 #: the shared-memory namespace of this test run's engines: leak checks look only at its
 #: files, so another run (or a benchmark) on the same host cannot fail them
 NAMESPACE = f"pytest-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+#: the namespace of the session's ``vllm serve`` deployment (conftest ``example_pd``): it
+#: lives across modules, so its files stay out of the other modules' checks
+SERVE_NAMESPACE = f"{NAMESPACE}-serve"
 #: TP-1 test engines run in one process; ``OMNIKV_TEST_IN_PROCESS=0`` gives them vLLM's
 #: engine-core and worker processes instead
 IN_PROCESS = os.environ.get("OMNIKV_TEST_IN_PROCESS", "1") != "0"
@@ -127,11 +131,11 @@ def sweep_dead_segments(wait_s: float = 0.0) -> None:
         shm_arena.sweep_orphans()
 
 
-def omnikv_files() -> set[str]:
+def omnikv_files(namespace: str = NAMESPACE) -> set[str]:
     """This run's shared-memory files (see :data:`NAMESPACE`)."""
     from vllm_omni_kv.backends.shm import arena as shm_arena
 
-    return shm_arena.namespace_files(NAMESPACE)
+    return shm_arena.namespace_files(namespace)
 
 
 def _owned_by_live_process(name: str) -> bool:

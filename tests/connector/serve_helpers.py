@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import requests
-from pd_helpers import LOG_DIR, NAMESPACE, sweep_dead_segments
+from pd_helpers import LOG_DIR, SERVE_NAMESPACE, sweep_dead_segments
 
 from vllm_omni_kv.testing.net import free_port
 
@@ -139,11 +139,11 @@ class Servers:
 
 
 def example_ktc(name: str, **extra: Any) -> str:
-    """An example ``--kv-transfer-config`` in this run's namespace, with ``extra`` set."""
+    """An example ``--kv-transfer-config`` in :data:`SERVE_NAMESPACE`, with ``extra`` set."""
     cfg = json.loads((EXAMPLE / name).read_text())
     ex = cfg["kv_connector_extra_config"]
     ex.update(extra)
-    ex["backend_extra"] = {**ex.get("backend_extra", {}), "namespace": NAMESPACE}
+    ex["backend_extra"] = {**ex.get("backend_extra", {}), "namespace": SERVE_NAMESPACE}
     return json.dumps(cfg)
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import aiohttp
 import pytest
 import requests
-from pd_helpers import LOG_DIR, live_arena_segment, make_prompts, omnikv_files
+from pd_helpers import LOG_DIR, SERVE_NAMESPACE, live_arena_segment, make_prompts, omnikv_files
 from serve_helpers import EXAMPLE_SEND_TTL, Servers
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -146,7 +146,7 @@ def _idle(base: str, deadline_s: float) -> None:
 
 def _left_behind() -> set[str]:
     """This run's shared-memory files other than the producer's live arena segment."""
-    return {n for n in omnikv_files() if not live_arena_segment(n)}
+    return {n for n in omnikv_files(SERVE_NAMESPACE) if not live_arena_segment(n)}
 
 
 def _settled(stack: Servers, deadline_s: float) -> dict[str, float]:

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import requests
-from pd_helpers import LOG_DIR, NAMESPACE, make_prompts
+from pd_helpers import LOG_DIR, SERVE_NAMESPACE, make_prompts
 from serve_helpers import Servers
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -143,7 +143,7 @@ def _payload_published(params: dict[str, Any]) -> bool:
     from vllm_omni_kv.kvcache.kv_utils import get_kv_connector_key
 
     key = get_kv_connector_key(params["remote_transfer_id"], "prefill", 0, 0, 0)
-    name = index_name(NAMESPACE, "prefill", "decode", key)
+    name = index_name(SERVE_NAMESPACE, "prefill", "decode", key)
     return os.path.exists(os.path.join(arena.SHM_DIR, name))
 
 
