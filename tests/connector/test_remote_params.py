@@ -59,7 +59,7 @@ HOSTILE = [
     ("remote_port", json.loads("Infinity")),
     ("remote_port", -math.inf),
     ("remote_port", math.nan),
-    ("remote_port", 0),
+    ("remote_port", -1),
     ("remote_port", 65536),
     ("remote_port", 80.5),
     ("remote_port", True),
@@ -93,6 +93,10 @@ def test_a_hostile_field_is_refused_and_the_request_computes_locally(
     assert sched.get_num_new_matched_tokens(request, 0) == (0, False)  # type: ignore[arg-type]
     assert sched.request_finished(request, []) == (False, None)  # type: ignore[arg-type]
     assert not sched._discards, "a refused request named a payload"
+
+
+def test_port_zero_means_no_side_channel() -> None:
+    assert parse_remote_params({**GOOD, "remote_port": 0}, 1).port is None  # what shm sends
 
 
 def test_numbers_as_strings_and_whole_floats_are_accepted() -> None:

@@ -95,6 +95,6 @@ def parse_remote_params(params: Mapping[str, Any], local_tp_size: int) -> Remote
         engine_id=_id(params, "remote_engine_id"),
         request_id=_id(params, "remote_request_id"),
         host=_host(params),
-        port=_int(params, "remote_port", 1, 65535),
+        port=_int(params, "remote_port", 0, 65535) or None,  # 0: no side channel (shm)
         tp_size=tp,
     )

@@ -215,6 +215,8 @@ class OmniKVWorker:
         why = region.unavailable_reason
         if why is None and not self.paged_blocks:
             why = "producer and consumer TP sizes differ (token-major payloads)"
+        if why is None and region.context_entered() is False:
+            why = "this model runner never entered get_mem_pool_context (the cache is vLLM's)"
         if why is not None:
             logger.warning(
                 "OmniKVConnector: backend %s sends packed payloads, not pages of this "
