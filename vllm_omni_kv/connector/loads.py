@@ -70,9 +70,26 @@ class LoadRunner:
         )
 
     def load(self, spec: LoadSpec, deadline: float, cancel: threading.Event) -> _Outcome:
-        t0 = time.monotonic()
         topo = self.topology(spec.source_tp_size)
         keys = self.session.recv_keys(spec.transfer_id, topo)
+        out = self._load(spec, deadline, cancel, topo, keys)
+        if not out.ok:  # this consumer will not read it: the producer's blocks may go now
+            for key, _rank in keys:
+                try:
+                    self.session.release_hold(key)
+                except Exception as err:  # best effort: the producer's lease ends it anyway
+                    logger.debug("releasing the hold of %s: %s", key, err)
+        return out
+
+    def _load(
+        self,
+        spec: LoadSpec,
+        deadline: float,
+        cancel: threading.Event,
+        topo: KVTPTopology,
+        keys: list[tuple[str, int | None]],
+    ) -> _Outcome:
+        t0 = time.monotonic()
         endpoints = [sender_endpoint(spec.remote_host, spec.remote_port, r) for _k, r in keys]
         try:
             if self.stop.is_set():
@@ -90,7 +107,6 @@ class LoadRunner:
         except KVTransferCancelled as e:
             for (key, _r), ep in zip(keys, endpoints, strict=True):  # tell the producer
                 try:
-                    self.session.release_hold(key)
                     self.session.discard(key, ep)
                 except Exception as err:  # best effort: the producer expires it anyway
                     logger.debug("discarding %s after cancel: %s", key, err)
