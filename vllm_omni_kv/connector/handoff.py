@@ -267,14 +267,11 @@ class ProducerHandoffs:
     def check(self, now: float | None = None) -> None:
         """Releases and lease deadlines of every live handoff."""
         now = time.monotonic() if now is None else now
+        self._check_releases()
         with self._lock:
             for req in self._reqs.values():
                 for h in req.handoffs:
-                    if h.terminal:
-                        continue
-                    if h.shares_blocks and self.port.hold_released(h.hold):
-                        h.release()
-                    elif h.deadline <= now:
+                    if not h.terminal and h.deadline <= now:
                         self._lease_over(h, now)
             self._forget()
 
