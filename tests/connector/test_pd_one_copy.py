@@ -110,12 +110,9 @@ def pd(
         recv_timeout=recv_timeout,
     )  # fmt: skip
     small = {"num_gpu_blocks_override": SMALL_CACHE_BLOCKS}
-    # vLLM's own process layout: with both engines in one process each, a one-copy consumer
-    # run after other engine modules crashed in its page copy (SIGSEGV, under investigation)
-    layout = {"in_process": False}
     with engines(
-        (f"onecopy-{mode}-producer", engine_cfg(tiny_model_dir, prod_ktc, **small, **layout)),
-        (f"onecopy-{mode}-consumer", engine_cfg(tiny_model_dir, cons_ktc, **layout)),
+        (f"onecopy-{mode}-producer", engine_cfg(tiny_model_dir, prod_ktc, **small)),
+        (f"onecopy-{mode}-consumer", engine_cfg(tiny_model_dir, cons_ktc)),
     ) as (prod, cons):
         pd = PD(mode, prod, cons)
         for prompts in groups.values():  # reference: the producer as an ordinary engine

@@ -97,7 +97,9 @@ class TECacheRegion(CacheRegion):
         """A zeroed, page-aligned ``int8`` host tensor of ``nbytes``, registered with the
         connector's engine."""
         mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        tensor = torch.frombuffer(mm, dtype=torch.int8, count=nbytes)
+        # through a memoryview: torch keeps it, and with it a buffer export of the map, so
+        # the map cannot be closed under the tensor (torch keeps no export of ``mm`` itself)
+        tensor = torch.frombuffer(memoryview(mm), dtype=torch.int8, count=nbytes)
         addr = tensor.data_ptr()
         _register(self.conn, addr, nbytes, tensor.device)
         with self._lock:

@@ -264,6 +264,15 @@ def pin_map(mm: mmap.mmap) -> None:
             _pins[id(mm)] = pin
 
 
+def exported(mm: mmap.mmap) -> memoryview:
+    """What to hand ``torch.frombuffer`` for a tensor over ``mm``: torch keeps the object
+    it is given alive but not a buffer export of it, so a tensor made from the mapping
+    itself would not stop :func:`close_map` from unmapping it under the tensor (the next
+    read of the tensor then crashes the process). The memoryview holds the export for as
+    long as any tensor over it lives."""
+    return memoryview(mm)
+
+
 def close_map(mm: mmap.mmap) -> None:
     with _pins_lock:
         pin = _pins.pop(id(mm), None)

@@ -217,7 +217,9 @@ class ShmCacheRegion(HoldFiles, CacheRegion):
         self._seg = arena.Segment(name, nbytes, mm)
         self.producer.adopt(self._seg)
         self.owner_name = name
-        self.tensor = torch.frombuffer(mm, dtype=torch.int8, count=nbytes, offset=KV_OFFSET)
+        self.tensor = torch.frombuffer(
+            arena.exported(mm), dtype=torch.int8, count=nbytes, offset=KV_OFFSET
+        )
         logger.info(
             "KV cache (%.1f MiB) allocated in shared memory %s: consumers copy its pages directly",
             nbytes / 2**20,
@@ -296,7 +298,9 @@ class ShmCacheRegion(HoldFiles, CacheRegion):
             arena.close_map(mm)
             raise self._not_alive(name)
         arena.pin_map(mm)
-        view = torch.frombuffer(mm, dtype=torch.uint8, count=size - KV_OFFSET, offset=KV_OFFSET)
+        view = torch.frombuffer(
+            arena.exported(mm), dtype=torch.uint8, count=size - KV_OFFSET, offset=KV_OFFSET
+        )
         with self._maps_lock:
             old = self._maps.pop(name, None)
             self._maps[name] = (owner, mm, view)
