@@ -82,6 +82,8 @@ class OmniKVScheduler:
         self._local_hits: set[str] = set()
         # consumer: requests that wait for blocks, whose payload leases are extended
         self._waiting: dict[str, RemotePayload] = {}
+        # consumer: the local prefix (tokens) vLLM reported, where the external span starts
+        self._local_prefix: dict[str, int] = {}
         self._next_extend = 0.0
 
     # -- helpers ------------------------------------------------------------------------
@@ -142,19 +144,21 @@ class OmniKVScheduler:
         if remote is None:
             return 0, False
         count = int(request.num_prompt_tokens) - int(num_computed_tokens)
-        if count > self.block_size:
-            if request.request_id not in self._waiting:  # until its blocks are allocated
-                self._waiting[request.request_id] = self._remote(request, remote)
-            return count, True
-        # A full local hit: vLLM recomputes at least the prompt's last token, so what is
-        # missing lies in the last block; computing it here is cheaper than a transfer,
-        # and update_state_after_alloc releases the producer's payload.
-        return 0, False
+        if count <= 0:
+            return 0, False
+        # Every uncomputed token is loaded, a part of one block included (as vLLM's
+        # NixlConnector does): vLLM recomputes only the prompt's last token after a load.
+        # The external span starts right after the local prefix vLLM reports here.
+        self._local_prefix[request.request_id] = int(num_computed_tokens)
+        if request.request_id not in self._waiting:  # until its blocks are allocated
+            self._waiting[request.request_id] = self._remote(request, remote)
+        return count, True
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         self._waiting.pop(request.request_id, None)
+        local_prefix = self._local_prefix.pop(request.request_id, 0)
         params = self._wants_remote_prefill(request)
         if params is None or not self.is_consumer:
             return
@@ -162,14 +166,14 @@ class OmniKVScheduler:
         if remote is None:
             params["do_remote_prefill"] = False
             return
-        if num_external_tokens > 0:
+        num_prompt = int(request.num_prompt_tokens)
+        if 0 < num_external_tokens <= num_prompt - local_prefix:
             block_ids = list(blocks.get_block_ids()[0])
-            num_prompt = int(request.num_prompt_tokens)
             spec = LoadSpec(
                 req_id=request.request_id,
                 transfer_id=remote.transfer_id,
                 block_ids=block_ids,
-                num_local_tokens=num_prompt - int(num_external_tokens),
+                num_local_tokens=local_prefix,
                 num_load_tokens=int(num_external_tokens),
                 num_prompt_tokens=num_prompt,
                 prompt_digest=prompt_digest(request.prompt_token_ids),
@@ -180,9 +184,11 @@ class OmniKVScheduler:
             self._new_loads.append(spec)
             self._loading[request.request_id] = spec
         else:
-            # Everything but the last block is cached locally: release the producer's copy.
+            # vLLM asked for nothing external (its local hit covers what the payload
+            # holds): release the producer's copy.
             self._discards.append(self._remote(request, remote))
-            self._local_hits.add(request.request_id)
+            if local_prefix > 0:
+                self._local_hits.add(request.request_id)
         # One transfer per request, even if it is preempted and rescheduled later.
         params["do_remote_prefill"] = False
 
@@ -253,6 +259,7 @@ class OmniKVScheduler:
         req_id = request.request_id
         self._to_save.pop(req_id, None)
         self._waiting.pop(req_id, None)
+        self._local_prefix.pop(req_id, None)
         saved = self._saved.pop(req_id, None)
         spec = None if saved is None else saved[0]
         if spec is not None:

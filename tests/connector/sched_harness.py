@@ -1,0 +1,202 @@
+"""vLLM's real scheduler with the real connector halves, without a model: an engine in
+one thread.
+
+Each :class:`Engine` is vLLM 0.32's ``Scheduler`` (block allocation, prefix cache,
+async loads, delayed frees, preemption: vLLM's code) with ``OmniKVConnector`` as its
+connector, plus the connector's worker half over host caches in vLLM's CPU layout,
+stepped through V1's ``KVConnectorModelRunnerMixin`` sequence. The forward pass writes
+nothing: the caches start random, so after a transfer the consumer's blocks must hold
+exactly the producer's bytes (compared token by token with the independent extraction
+of ``_kv_fixtures.reference_kv``). Transfers use the real shm backend in their own
+namespace. Start-up is about a second after the first (vLLM's imports).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from _kv_fixtures import BS, DIM, HEADS, LAYERS, NBLOCKS, cpu_layout_cache, reference_kv
+from vllm.config import (
+    CacheConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.distributed.kv_transfer import kv_transfer_state
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.forward_context import set_forward_context
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
+
+from vllm_omni_kv.connector.omni_kv_connector import OmniKVConnector
+
+TOKEN = 7  # what the emulated model samples
+MAX_LEN = NBLOCKS * BS
+
+
+def _config(model_dir: Path, role: str, ns: str, extra: dict[str, Any]) -> VllmConfig:
+    ktc = KVTransferConfig(
+        kv_connector="OmniKVConnector",
+        kv_connector_module_path="vllm_omni_kv.connector.omni_kv_connector",
+        kv_role=role,
+        engine_id=f"{role}-{ns}",
+        kv_connector_extra_config={
+            "backend": "shm",
+            "backend_extra": {"namespace": ns},
+            "recv_timeout": 10,
+            "transfer_cpus": "inherit",
+            **extra,
+        },
+    )
+    mc = ModelConfig(model=str(model_dir), max_model_len=MAX_LEN, skip_tokenizer_init=True)
+    sc = SchedulerConfig(
+        max_num_seqs=8,
+        max_num_batched_tokens=MAX_LEN,
+        max_model_len=MAX_LEN,
+        is_encoder_decoder=False,
+    )
+    cfg = VllmConfig(
+        model_config=mc,
+        scheduler_config=sc,
+        cache_config=CacheConfig(block_size=BS, enable_prefix_caching=True),
+        kv_transfer_config=ktc,
+    )
+    cfg.cache_config.num_gpu_blocks = NBLOCKS
+    return cfg
+
+
+@contextmanager
+def _agent(connector: OmniKVConnector) -> Iterator[None]:
+    """``connector`` as the process's KV transfer group (what vLLM's worker sets up)."""
+    before = kv_transfer_state._KV_CONNECTOR_AGENT
+    kv_transfer_state._KV_CONNECTOR_AGENT = connector
+    try:
+        yield
+    finally:
+        kv_transfer_state._KV_CONNECTOR_AGENT = before
+
+
+class Engine:
+    """One engine: vLLM's scheduler and the connector's worker half over host caches."""
+
+    def __init__(self, model_dir: Path, role: str, ns: str, seed: int, **extra: Any) -> None:
+        self.config = _config(model_dir, role, ns, extra)
+        spec = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=DIM,
+                                 dtype=torch.bfloat16)  # fmt: skip
+        names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+        kv_config = KVCacheConfig(
+            num_blocks=NBLOCKS,
+            kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec(names, spec)],
+        )
+        self.sched = Scheduler(
+            vllm_config=self.config,
+            kv_cache_config=kv_config,
+            structured_output_manager=StructuredOutputManager(self.config),
+            block_size=BS,
+            log_stats=True,
+        )
+        hash_fn = get_hash_fn_by_name(self.config.cache_config.prefix_caching_hash_algo)
+        init_none_hash(hash_fn)  # as vLLM's engine core does
+        self.hasher = get_request_block_hasher(BS, hash_fn)
+        self.worker = OmniKVConnector(self.config, KVConnectorRole.WORKER)
+        self.caches = self._allocate(names, seed)
+        self.worker.register_kv_caches(self.caches)
+        self.blocks: dict[str, list[int]] = {}  # each request's block table, last seen
+        self.finished: dict[str, dict[str, Any] | None] = {}  # kv_transfer_params out
+        self.sent: set[str] = set()  # requests reported in finished_sending
+
+    def _allocate(self, names: list[str], seed: int) -> dict[str, torch.Tensor]:
+        srcs = [cpu_layout_cache(i, seed=seed) for i in range(LAYERS)]
+        pool = self.worker.get_mem_pool_context()
+        if pool is None:
+            return dict(zip(names, srcs, strict=True))
+        per = srcs[0].numel() * srcs[0].element_size()
+        with pool:  # as vLLM allocates the cache: one int8 tensor in the region
+            buf = torch.zeros(per * LAYERS, dtype=torch.int8)
+        views = [
+            buf[i * per : (i + 1) * per].view(s.dtype).view(s.shape) for i, s in enumerate(srcs)
+        ]
+        for v, s in zip(views, srcs, strict=True):
+            v.copy_(s)
+        return dict(zip(names, views, strict=True))
+
+    def add(self, req_id: str, prompt: list[int], params: dict[str, Any]) -> Request:
+        sp = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params})
+        req = Request(req_id, list(prompt), sp, None, block_hasher=self.hasher)
+        self.sched.add_request(req)
+        return req
+
+    def step(self) -> SchedulerOutput:
+        so = self.sched.schedule()
+        for rid, req in self.sched.requests.items():
+            if rid in so.num_scheduled_tokens or req.num_computed_tokens:
+                self.blocks[rid] = list(self.sched.kv_cache_manager.get_block_ids(rid)[0])
+        with _agent(self.worker):
+            if so.total_num_scheduled_tokens == 0:
+                out = KVConnectorModelRunnerMixin.kv_connector_no_forward(so, self.config)
+            else:
+                out = self._forward(so)
+        kv_out = out.kv_connector_output
+        if kv_out is not None and kv_out.finished_sending:
+            self.sent |= set(kv_out.finished_sending)
+        outputs = self.sched.update_from_output(so, out)
+        for eco in outputs.values():
+            for o in eco.outputs:
+                if o.finish_reason is not None:
+                    self.finished[o.request_id] = o.kv_transfer_params
+        return so
+
+    def _forward(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self.worker.handle_preemptions(so.kv_connector_metadata)
+        attn = {name: object() for name in self.caches}
+        ids = list(so.num_scheduled_tokens)
+        with (
+            set_forward_context(attn, self.config, num_tokens=so.total_num_scheduled_tokens),
+            KVConnectorModelRunnerMixin.maybe_get_kv_connector_output(so) as kv_out,
+        ):
+            pass  # the forward pass: the caches keep their bytes
+        sampled = []
+        for rid in ids:
+            req = self.sched.requests[rid]
+            done = req.num_computed_tokens + so.num_scheduled_tokens[rid] >= req.num_tokens
+            sampled.append([TOKEN] if done else [])
+        return ModelRunnerOutput(
+            req_ids=ids,
+            req_id_to_index={r: i for i, r in enumerate(ids)},
+            sampled_token_ids=sampled,
+            kv_connector_output=kv_out,
+        )
+
+    def run_until(self, done: Any, timeout: float = 20.0) -> None:
+        """Step until ``done()`` holds (idle steps wait for transfers, as vLLM's do)."""
+        deadline = time.monotonic() + timeout
+        while not done():
+            assert time.monotonic() < deadline, "the engine did not get there in time"
+            self.step()
+
+    def kv(self, req_id: str, start: int, end: int) -> list[torch.Tensor]:
+        """K and V of tokens ``[start, end)`` of ``req_id`` in every layer."""
+        got = []
+        for cache in self.caches.values():
+            k, v = reference_kv(cache, self.blocks[req_id], end)
+            got += [k[start:end], v[start:end]]
+        return got
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        self.sched.shutdown()
