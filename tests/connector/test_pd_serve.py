@@ -167,9 +167,7 @@ def test_prefix_hit_moves_only_the_missing_blocks(servers: Servers, tiny_model_d
     assert hit_resp["choices"][0]["text"] == ref["choices"][0]["text"]
 
 
-def test_full_local_hit_loads_only_the_last_block(
-    servers: Servers, tiny_model_dir: Path
-) -> None:
+def test_full_local_hit_loads_only_the_last_block(servers: Servers, tiny_model_dir: Path) -> None:
     ids = make_prompts(tiny_model_dir, 1, seed=32)[0]
     assert _decode(servers, ids, _prefill(servers, ids))["kv_transfer_params"]["omni_kv_load"]["ok"]
     params = _prefill(servers, ids)  # a second payload for a prompt the consumer holds
