@@ -28,7 +28,14 @@ def servers(example_pd: Servers) -> Servers:
 GREEDY = {"max_tokens": 16, "temperature": 0, "ignore_eos": True}
 
 
+#: bytes of one 32-token block of the tiny fp32 model (2 layers, 2 KV heads, head size 64)
+BLOCK_BYTES = 2 * 2 * 2 * 64 * 4 * 32
+
+
 def test_completions_through_proxy_match_colocated(servers: Servers, tiny_model_dir: Path) -> None:
+    """The example configs use shm's default, one copy: exactly the request's pages move
+    (and a descriptor of about a kilobyte), out of the producer's cache, placed in shared
+    memory by vLLM's own CPU process layout; the producer gets its blocks back."""
     prompts = make_prompts(tiny_model_dir, 3, seed=11)
     for ids in prompts:
         # the producer is an ordinary engine for requests without transfer params
@@ -36,8 +43,22 @@ def test_completions_through_proxy_match_colocated(servers: Servers, tiny_model_
         got = servers.post(servers.proxy, "/v1/completions", {"prompt": ids, **GREEDY})
         assert got["choices"][0]["text"] == ref["choices"][0]["text"]
         load = got["kv_transfer_params"]["omni_kv_load"]
-        assert load["ok"] is True and load["bytes"] > 0 and load["tokens"] > 0, load
+        pages = -(-len(ids) // 32) * BLOCK_BYTES
+        assert load["ok"] is True and load["tokens"] == len(ids), load
+        assert pages < load["bytes"] < pages + 4096, load
         assert got["usage"]["prompt_tokens"] == len(ids)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _holds():
+        time.sleep(0.2)
+    assert not _holds()
+    assert "packed payloads instead" not in (LOG_DIR / "serve-producer.log").read_text()
+
+
+def _holds() -> set[str]:
+    from vllm_omni_kv.backends.shm import arena
+
+    mine = f"{arena.HOLD_PREFIX}{arena.namespace_tag(SERVE_NAMESPACE)}_"
+    return {n for n in os.listdir(arena.SHM_DIR) if n.startswith(mine)}
 
 
 def test_chat_through_proxy_matches_colocated(servers: Servers) -> None:

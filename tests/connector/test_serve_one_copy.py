@@ -1,6 +1,6 @@
-"""Two ``vllm serve`` processes and the example proxy, in each one-copy mode that runs on
-this machine: shared memory with ``share_cache``, Mooncake TE (TCP) and NIXL (UCX) with
-``register_cache``. Completions through the proxy (prefill on one server, its KV pages
+"""Two ``vllm serve`` processes and the example proxy, in the one-copy modes of the pull
+backends that run on this machine: Mooncake TE (TCP) and NIXL (UCX) with
+``register_cache`` (shm's one copy is its default: test_pd_serve's example deployment). Completions through the proxy (prefill on one server, its KV pages
 copied once out of its cache by the other) equal the producer's own completions of the
 same prompts, exactly the pages move, and the producer gives its blocks back."""
 
@@ -13,14 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pd_helpers import LOG_DIR, NAMESPACE, make_prompts, omnikv_files, sweep_dead_segments
+from pd_helpers import LOG_DIR, make_prompts, omnikv_files, sweep_dead_segments
 from serve_helpers import GREEDY, complete, ktc, serve_pd
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 MODES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     # name: (backend, producer backend_extra, consumer backend_extra)
-    "shm_share": ("shm", {"namespace": NAMESPACE, "share_cache": True}, {}),
     "mooncake_cache": (
         "mooncake",
         {
@@ -51,7 +50,6 @@ BLOCK_BYTES = 2 * 2 * 2 * 64 * 4 * 32
 @pytest.fixture(
     scope="module",
     params=[
-        "shm_share",
         pytest.param("mooncake_cache", marks=[_MC]),
         pytest.param("nixl_cache", marks=_NIXL),
     ],
@@ -63,11 +61,8 @@ def urls(request: pytest.FixtureRequest, tiny_model_dir: Path) -> Iterator[tuple
     consumer = ktc("kv_consumer", backend, {**extra, **consumer_extra}, recv_timeout=30)
     name = f"{request.param}-serve"
     try:
-        # shm: vLLM's CPU process layout (the cache placed in a worker process of its own);
-        # the pull modes: the worker in the engine-core process (a TP-1 GPU server's layout)
-        with serve_pd(
-            tiny_model_dir, producer, consumer, name, worker_in_core=request.param != "shm_share"
-        ) as urls:
+        # the worker in the engine-core process (a TP-1 GPU server's layout)
+        with serve_pd(tiny_model_dir, producer, consumer, name, worker_in_core=True) as urls:
             yield (*urls, name)
     finally:
         sweep_dead_segments()
