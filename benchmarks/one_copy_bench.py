@@ -39,6 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from transfer_bench import _row, shm_move  # noqa: E402
 
+from vllm_omni_kv.backends.shm import arena  # noqa: E402
 from vllm_omni_kv.backends.shm.connector import SharedMemoryConnector  # noqa: E402
 from vllm_omni_kv.kvcache import page_copy  # noqa: E402
 from vllm_omni_kv.kvcache.cache_layout import KVLayoutId, page_view  # noqa: E402
@@ -252,7 +253,7 @@ class _Consumer:
         t1 = time.perf_counter()
         if tokens != len(src_ids) * BS or moved != self.bufs.nbytes:
             raise RuntimeError(f"{key}: {tokens} tokens / {moved} bytes moved")
-        if os.path.exists(os.path.join("/dev/shm", obj["metadata"]["shared"]["hold"])):
+        if os.path.exists(os.path.join(arena.SHM_DIR, obj["metadata"]["shared"]["hold"])):
             raise RuntimeError(f"{key}: the hold was not released after the copy")
         if verify:  # the profile times digest checks against this payload's sums
             self.obj = obj

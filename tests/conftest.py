@@ -3,10 +3,21 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
-import pytest
-from _models import tiny_model
+# pytest-xdist: each worker keeps its shared-memory files (and those of the engines it
+# starts) in its own directory on /dev/shm, so one worker's leak check never sees, or
+# removes, another's files. Set before anything imports the shm backend.
+if os.environ.get("PYTEST_XDIST_WORKER") and "OMNIKV_SHM_DIR" not in os.environ:
+    _WORKER_SHM = f"/dev/shm/omnikv-test-{os.environ['PYTEST_XDIST_WORKER']}-{os.getpid()}"
+    os.makedirs(_WORKER_SHM, mode=0o700, exist_ok=True)
+    os.environ["OMNIKV_SHM_DIR"] = _WORKER_SHM
+
+import pytest  # noqa: E402
+from _models import tiny_model  # noqa: E402
+
+from vllm_omni_kv.backends.shm import arena  # noqa: E402
 
 SHM_PREFIX = "omnikv"
 
@@ -23,7 +34,7 @@ def tiny_model_dir() -> Path:
 
 def _our_segments() -> set[str]:
     try:
-        return {n for n in os.listdir("/dev/shm") if n.startswith(SHM_PREFIX)}
+        return {n for n in os.listdir(arena.SHM_DIR) if n.startswith(SHM_PREFIX)}
     except FileNotFoundError:
         return set()
 
@@ -31,8 +42,6 @@ def _our_segments() -> set[str]:
 def _left_by_us(name: str) -> bool:
     """Files of this process or of exited ones (a test's children); a live process of
     another run on this host owns its files."""
-    from vllm_omni_kv.backends.shm import arena
-
     pid = arena._owner_pid(name)
     return pid is None or pid == os.getpid() or not arena.pid_alive(pid)
 
@@ -45,7 +54,14 @@ def no_shm_leaks():
     leaked = {n for n in _our_segments() - before if _left_by_us(n)}
     for name in leaked:  # clean up so one leak does not cascade into other tests
         try:
-            os.unlink(os.path.join("/dev/shm", name))
+            os.unlink(os.path.join(arena.SHM_DIR, name))
         except OSError:
             pass
     assert not leaked, f"test leaked shared-memory segments: {sorted(leaked)}"
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """An xdist worker's shared-memory directory goes with it."""
+    worker_dir = os.environ.get("OMNIKV_SHM_DIR", "")
+    if os.environ.get("PYTEST_XDIST_WORKER") and worker_dir.startswith("/dev/shm/omnikv-test-"):
+        shutil.rmtree(worker_dir, ignore_errors=True)

@@ -13,6 +13,8 @@ import hashlib
 import json
 import os
 import random
+import shutil
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -120,14 +122,39 @@ def _write_weights(path: Path, spec: TinyModelSpec) -> None:
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
 
 
+def _complete(out: Path, spec: TinyModelSpec) -> bool:
+    marker = out / ".tiny_model.json"
+    try:
+        return json.loads(marker.read_text()).get("fingerprint") == spec.fingerprint()
+    except (OSError, ValueError):
+        return False
+
+
 def write_tiny_model(path: str | os.PathLike[str], spec: TinyModelSpec | None = None) -> Path:
-    """Write a tiny model directory at ``path`` (idempotent: skipped if already complete)."""
+    """Write a tiny model directory at ``path`` (idempotent: skipped if already complete).
+    The files are written into a temporary directory renamed into place, so processes
+    writing the same model at once never read each other's partial files."""
     spec = spec or TinyModelSpec()
     out = Path(path)
-    marker = out / ".tiny_model.json"
-    if marker.exists() and json.loads(marker.read_text()).get("fingerprint") == spec.fingerprint():
+    if _complete(out, spec):
         return out
-    out.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        _write_files(tmp, spec)
+        if out.exists() and not _complete(out, spec):
+            shutil.rmtree(out, ignore_errors=True)  # a partial or older model
+        try:
+            os.rename(tmp, out)
+        except OSError:
+            if not _complete(out, spec):  # another process's model is in place otherwise
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _write_files(out: Path, spec: TinyModelSpec) -> None:
     tok_vocab = _write_tokenizer(out, spec)
     if tok_vocab > spec.vocab_size:
         raise ValueError(f"tokenizer vocab {tok_vocab} exceeds model vocab {spec.vocab_size}")
@@ -156,8 +183,9 @@ def write_tiny_model(path: str | os.PathLike[str], spec: TinyModelSpec | None = 
         json.dumps({"bos_token_id": 1, "eos_token_id": 2, "do_sample": False}, indent=2)
     )
     _write_weights(out, spec)
-    marker.write_text(json.dumps({"fingerprint": spec.fingerprint(), "spec": asdict(spec)}))
-    return out
+    (out / ".tiny_model.json").write_text(
+        json.dumps({"fingerprint": spec.fingerprint(), "spec": asdict(spec)})
+    )
 
 
 def prompt_text(seed: int, n_words: int) -> str:

@@ -59,7 +59,7 @@ def _ours(pid: int, ns: str, keys: tuple[str, ...] = ("k",)) -> list[str]:
     idx = {index_name(ns, "0", "1", k) for k in keys}
     return [
         n
-        for n in os.listdir("/dev/shm")
+        for n in os.listdir(shm_arena.SHM_DIR)
         if n.startswith(f"{shm_arena.SEG_PREFIX}{pid}_") or n.split(".")[0] in idx
     ]
 
@@ -90,7 +90,7 @@ def test_views_point_into_shared_memory_and_segment_is_recycled(ns):
         obj, _ = conn.get("0", "1", "a")
         seg_files = [
             n
-            for n in os.listdir("/dev/shm")
+            for n in os.listdir(shm_arena.SHM_DIR)
             if n.startswith(shm_arena.SEG_PREFIX + str(os.getpid()))
         ]
         assert len(seg_files) == 1
@@ -117,10 +117,10 @@ def test_segments_are_prefaulted_where_the_os_can():
 def test_segments_are_owner_only(ns):
     with SharedMemoryConnector({"namespace": ns}) as conn:
         conn.put("0", "1", "k", _payload())
-        ours = [n for n in os.listdir("/dev/shm") if n.startswith("omnikv_")]
+        ours = [n for n in os.listdir(shm_arena.SHM_DIR) if n.startswith("omnikv_")]
         assert ours
         for n in ours:
-            assert stat.S_IMODE(os.stat(f"/dev/shm/{n}").st_mode) == 0o600
+            assert stat.S_IMODE(os.stat(f"{shm_arena.SHM_DIR}/{n}").st_mode) == 0o600
 
 
 def test_small_payload_travels_inline(ns):
@@ -129,7 +129,7 @@ def test_small_payload_travels_inline(ns):
         assert ok and size < (1 << 20) and isinstance(meta["inline"], bytes)
         assert not [
             n
-            for n in os.listdir("/dev/shm")
+            for n in os.listdir(shm_arena.SHM_DIR)
             if n.startswith(shm_arena.SEG_PREFIX + str(os.getpid()))
         ]
         obj, _ = conn.get("0", "1", "small")
@@ -203,10 +203,10 @@ def test_corrupt_segment_is_reported_not_returned(ns):
         conn.put("0", "1", "k", _payload())
         seg = [
             n
-            for n in os.listdir("/dev/shm")
+            for n in os.listdir(shm_arena.SHM_DIR)
             if n.startswith(shm_arena.SEG_PREFIX + str(os.getpid()))
         ][0]
-        with open(f"/dev/shm/{seg}", "r+b") as f:
+        with open(f"{shm_arena.SHM_DIR}/{seg}", "r+b") as f:
             f.seek(shm_arena.DATA_OFFSET + 5000)
             b = f.read(1)
             f.seek(shm_arena.DATA_OFFSET + 5000)
@@ -221,7 +221,7 @@ def test_corrupt_segment_is_reported_not_returned(ns):
 def test_truncated_index_entry_is_reported(ns):
     with SharedMemoryConnector({"namespace": ns}) as conn:
         conn.put("0", "1", "k", _payload())
-        path = "/dev/shm/" + index_name(ns, "0", "1", "k")
+        path = shm_arena.SHM_DIR + "/" + index_name(ns, "0", "1", "k")
         with open(path, "r+b") as f:
             f.truncate(3)
         with pytest.raises(KVPayloadError):
@@ -268,12 +268,12 @@ def test_segment_of_another_user_is_refused(ns):
         conn.put("0", "1", "k", _payload())
         seg = _ours(os.getpid(), ns)
         seg = [n for n in seg if n.startswith(shm_arena.SEG_PREFIX)][0]
-        os.chown(f"/dev/shm/{seg}", 4242, -1)  # as if another user had planted it
+        os.chown(f"{shm_arena.SHM_DIR}/{seg}", 4242, -1)  # as if another user had planted it
         try:
             with pytest.raises(KVTransferError, match="belongs to uid 4242"):
                 conn.get("0", "1", "k")
         finally:
-            os.chown(f"/dev/shm/{seg}", os.getuid(), -1)
+            os.chown(f"{shm_arena.SHM_DIR}/{seg}", os.getuid(), -1)
 
 
 def test_index_naming_a_path_is_refused():
@@ -298,8 +298,8 @@ def test_sweep_skips_what_it_must_not_or_cannot_remove(ns, monkeypatch, caplog):
     stuck = f"{shm_arena.SEG_PREFIX}{pid}_{ns}_stuck"
     gone = f"{shm_arena.SEG_PREFIX}{pid}_{ns}_gone"
     for name in (theirs, stuck, gone):
-        open(f"/dev/shm/{name}", "wb").close()
-    os.chown(f"/dev/shm/{theirs}", 4242, -1)
+        open(f"{shm_arena.SHM_DIR}/{name}", "wb").close()
+    os.chown(f"{shm_arena.SHM_DIR}/{theirs}", 4242, -1)
     real_unlink = os.unlink
 
     def unlink(p, *a, **kw):
@@ -312,13 +312,13 @@ def test_sweep_skips_what_it_must_not_or_cannot_remove(ns, monkeypatch, caplog):
         with caplog.at_level("WARNING"):
             removed = shm_arena.sweep_orphans()
         assert gone in removed and theirs not in removed and stuck not in removed
-        assert os.path.exists(f"/dev/shm/{theirs}")
+        assert os.path.exists(f"{shm_arena.SHM_DIR}/{theirs}")
         assert "left orphaned shared-memory file" in caplog.text
     finally:
         monkeypatch.undo()
         for name in (theirs, stuck, gone):
-            if os.path.exists(f"/dev/shm/{name}"):
-                os.unlink(f"/dev/shm/{name}")
+            if os.path.exists(f"{shm_arena.SHM_DIR}/{name}"):
+                os.unlink(f"{shm_arena.SHM_DIR}/{name}")
 
 
 @pytest.fixture

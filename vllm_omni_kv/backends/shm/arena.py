@@ -94,7 +94,9 @@ __all__ = [
     "sweep_orphans",
 ]
 
-SHM_DIR = "/dev/shm"
+#: where the shared-memory files live: a tmpfs every stage on the host sees (a directory on
+#: one, e.g. ``/dev/shm/omnikv-a``, separates deployments like ``namespace`` does)
+SHM_DIR = os.environ.get("OMNIKV_SHM_DIR", "/dev/shm")
 PREFIX = "omnikv_"
 SEG_PREFIX = PREFIX + "seg_"
 IDX_PREFIX = PREFIX + "idx_"
