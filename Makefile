@@ -8,6 +8,9 @@ TORCH_SPEC ?= torch==2.13.0+cpu
 # The stamp changes whenever the dependency declaration does, so a re-run is a no-op otherwise.
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml scripts/setup_env.sh 2>/dev/null | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
+# pytest-xdist workers (tests/conftest.py: whole modules per worker, the longest first,
+# one /dev/shm directory per worker); 0 runs the suite in one process
+PYTEST_WORKERS ?= 2
 
 .PHONY: env test lint typecheck pytest demo demo-ar bench clean doctor gpu-wheels gpu-check bench-load
 
@@ -29,7 +32,7 @@ typecheck: env
 	for d in examples/*/; do $(VENV)/bin/mypy "$$d" || exit 1; done
 
 pytest: env
-	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 # The documentation site (mkdocs.yml, docs/) into build/site; --strict: a broken link fails.
 .PHONY: docs

@@ -65,3 +65,64 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     worker_dir = os.environ.get("OMNIKV_SHM_DIR", "")
     if os.environ.get("PYTEST_XDIST_WORKER") and worker_dir.startswith("/dev/shm/omnikv-test-"):
         shutil.rmtree(worker_dir, ignore_errors=True)
+
+
+# -- pytest-xdist (`make test` runs `-n 2`): one worker per module, the longest first ------
+#: modules that share a session fixture run on one worker, as one unit (the example
+#: deployment of test_pd_load and test_pd_serve)
+SCOPE_OF = {"tests/connector/test_pd_load.py": "tests/connector/test_pd_serve.py"}
+#: modules by measured cost (seconds on this machine, engine starts included), longest
+#: first, so that the two workers finish together; unlisted modules take a few seconds
+COST_S = {
+    "tests/test_demos.py": 231,
+    "tests/test_benchmarks.py": 246,
+    "tests/connector/test_faults.py": 200,
+    "tests/connector/test_pd_hetero_tp.py": 189,
+    "tests/test_foundation.py": 188,
+    "tests/connector/test_faults_deploy.py": 177,
+    "tests/connector/test_pd_serve.py": 107,
+    "tests/backends/test_conformance.py": 154,
+    "tests/backends/shm/test_shm_stream.py": 152,
+    "tests/connector/test_serve_one_copy.py": 140,
+    "tests/kvcache/test_cpu_layout.py": 127,
+    "tests/connector/test_pd_one_copy.py": 119,
+    "tests/connector/test_faults_store.py": 116,
+    "tests/connector/test_pd_shm.py": 99,
+    "tests/backends/nixl/test_nixl.py": 96,
+    "tests/transfer/test_manager.py": 92,
+    "tests/backends/shm/test_cache_region.py": 78,
+    "tests/connector/test_pd_acceptance.py": 75,
+    "tests/backends/pull/test_mooncake_te.py": 74,
+    "tests/backends/shm/test_liveness.py": 69,
+    "tests/backends/nixl/test_serve_nixl.py": 65,
+    "tests/connector/test_pd_fail_policy.py": 59,
+    "tests/backends/nixl/test_pd_nixl.py": 54,
+    "tests/connector/test_pd_mooncake.py": 44,
+    "tests/connector/test_leases.py": 35,
+}
+
+
+def _scope(nodeid: str) -> str:
+    path = nodeid.split("::", 1)[0]
+    return SCOPE_OF.get(path, path)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under xdist, the costliest modules first (the order within a module is kept)."""
+    if not config.pluginmanager.hasplugin("xdist") or not getattr(config.option, "numprocesses", 0):
+        return
+    rank = {m: i for i, m in enumerate(sorted(COST_S, key=lambda m: -COST_S[m]))}
+    items.sort(key=lambda it: rank.get(_scope(it.nodeid), len(rank)))
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """Whole modules per worker (their module fixtures start engines once), in the
+    collection's order, with the modules of :data:`SCOPE_OF` together."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _scope(nodeid)
+
+    config.option.loadscopereorder = False
+    return ModuleScheduling(config, log)
