@@ -282,8 +282,11 @@ class BlocksPlan:
         """Write one layer's pages (after its bytes are final), converting when needed."""
         if self.raw:
             pv = page_view(c.cache, self.dst_layout)
+            # same bytes, possibly another page shape: with one KV head an HNC page and
+            # an NHC page differ only in where the size-1 head axis sits
+            src = c.src.reshape(c.src.shape[0], *self.dst_layout.page_shape)
             idx = torch.tensor(c.ids, dtype=torch.long, device=pv.device)
-            bits(pv).index_copy_(0, idx, bits(c.src).to(pv.device, non_blocking=True))
+            bits(pv).index_copy_(0, idx, bits(src).to(pv.device, non_blocking=True))
         else:
             convert_pages(c.src, self.src_layout, c.cache, self.dst_layout, c.ids)
 
