@@ -29,6 +29,7 @@ import torch
 
 from vllm_omni_kv.errors import ConfigError, KVPayloadError
 from vllm_omni_kv.kvcache.cache_layout import (
+    CELL_PACKINGS,
     KVLayoutId,
     bits,
     block_token_views,
@@ -417,9 +418,10 @@ def inject_request_blocks(
 def blocks_to_tokens(data: dict[str, Any]) -> dict[str, Any]:
     """Convert a paged-blocks payload to the token-major format (``[num_tokens, heads, dim]``)."""
     meta, ident, layers = _block_layers(data)
-    if ident.packing == "latent":
+    if ident.packing in CELL_PACKINGS:
+        what = "an MLA latent" if ident.packing == "latent" else "a packed (quantized)"
         raise KVPayloadError(
-            "an MLA latent payload has no K/V to merge or slice across TP sizes: run "
+            f"{what} payload has no K/V to merge or slice across TP sizes: run "
             "producer and consumer with the same TP size"
         )
     n = meta.num_tokens
