@@ -133,7 +133,7 @@ def _emulated_ident(e: EmulatedEngine) -> KVLayoutId:
 
 
 @pytest.mark.parametrize(("src", "dst"), ONE_HEAD_PAIRS)
-def test_one_head_pages_copy_between_page_orders(src: tuple, dst: tuple) -> None:
+def test_layout_one_head_pages_copy_between_page_orders(src: tuple, dst: tuple) -> None:
     """HNC and NHC pages of one head are the same bytes: the page write (the path a GPU
     cache takes) copies them, and the consumer reads every token the producer wrote."""
     s, d = _one_head(*src), _one_head(*dst)
