@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 # one /dev/shm directory per worker); 0 runs the suite in one process
 PYTEST_WORKERS ?= 2
 
-.PHONY: env test lint typecheck pytest demo demo-ar bench clean doctor gpu-wheels gpu-check bench-load
+.PHONY: env test lint typecheck pytest demo demo-ar bench clean doctor gpu-wheels gpu-site gpu-check bench-load
 
 env: $(STAMP)
 
@@ -53,36 +53,34 @@ demo-ar: env
 bench: env
 	$(PY) benchmarks/transfer_bench.py
 
-# GPU check, on a machine with torch + CUDA and no vLLM or package registry (the device
-# tool's machine): the layout emulator suite and the transfer core's CUDA tests on `cuda`.
-# `make gpu-wheels` (here, with a registry) puts the dependencies that machine may lack in
-# $(GPU_WHEELS)/ (git-ignored; carry it) for GPU_PY_VERSIONS; numpy is expected with torch.
-# `make gpu-check` installs them from there and runs the tests with the machine's python3.
+# GPU check, on a machine with python3 3.12, torch + CUDA and no vLLM or package registry (the
+# device tool's machine): `make gpu-wheels && make gpu-check` (docs/gpu.md).
+# `make gpu-wheels` (here, with the package index) puts scripts/gpu_requirements.txt and its
+# dependencies, for CPython $(GPU_PY_VERSION) on manylinux x86_64, into $(GPU_WHEELS)/ (git-ignored;
+# carry it) and checks the set resolves offline. `make gpu-check` installs it with
+# `pip install --no-index --target $(GPU_SITE)` onto PYTHONPATH (a failed install or import
+# stops it), then runs the CUDA tests (GPU_TESTS and every test marked `gpu`),
+# scripts/gpu_probe.py and the GPU benchmarks, each under a time limit, writing JSON into
+# $(GPU_OUT) (`make gpu-check GPU_OUT=DIR`; default $$OUT when set).
 GPU_PY ?= python3
+GPU_PY_VERSION ?= 3.12
 GPU_WHEELS ?= .gpu-wheels
-GPU_PY_VERSIONS ?= 3.10 3.11 3.12 3.13
-# where gpu-check writes the GPU benchmark's JSON (on the device tool: its $OUT folder)
-GPU_OUT ?= $(if $(OUT),$(OUT),benchmarks/results)
-GPU_DEPS := msgpack xxhash pyzmq pyyaml safetensors pytest pytest-timeout pluggy iniconfig packaging hypothesis attrs sortedcontainers
+GPU_SITE ?= build/gpu-site
+GPU_OUT ?= $(if $(OUT),$(OUT),benchmarks/results/gpu)
 GPU_TESTS := tests/connector/test_layout_emulated.py tests/kvcache/test_cache_layout.py \
-  tests/kvcache/test_device_staging.py tests/wire/test_codec.py tests/backends/cuda_ipc/test_cuda_ipc.py \
-  tests/backends/test_conformance.py
+  tests/kvcache/test_paged_blocks.py tests/kvcache/test_device_staging.py tests/wire/test_codec.py \
+  tests/backends/cuda_ipc/test_cuda_ipc.py tests/backends/test_conformance.py
+GPU_ENV = GPU_PY="$(GPU_PY)" GPU_PY_VERSION=$(GPU_PY_VERSION) GPU_WHEELS=$(GPU_WHEELS) \
+  GPU_SITE=$(GPU_SITE) GPU_TESTS="$(GPU_TESTS)"
 
-gpu-wheels: env
-	for v in $(GPU_PY_VERSIONS); do \
-	  $(PIP) download -q --only-binary=:all: --no-deps --python-version $$v \
-	    --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
-	    --platform manylinux_2_28_x86_64 -d $(GPU_WHEELS) $(GPU_DEPS) || exit 1; \
-	done
+gpu-wheels:
+	$(PYTHON) scripts/gpu_wheels.py ensure --dest $(GPU_WHEELS) --python-version $(GPU_PY_VERSION)
+
+gpu-site:
+	$(GPU_ENV) bash scripts/gpu_check.sh site
 
 gpu-check:
-	$(GPU_PY) -c "import torch; assert torch.cuda.is_available(), 'gpu-check needs a CUDA device'"
-	-$(GPU_PY) -m pip install -q --no-index --find-links $(GPU_WHEELS) $(GPU_DEPS)
-	$(GPU_PY) -c "import msgpack, xxhash, zmq, yaml, safetensors, numpy, pytest, hypothesis"
-	OMNIKV_TEST_DEVICE=cuda PYTHONPATH=$(CURDIR) $(GPU_PY) -m pytest -q -p no:cacheprovider \
-	  $(GPU_TESTS) -k "layout or emulat or accelerator or cuda"
-	PYTHONPATH=$(CURDIR) $(GPU_PY) benchmarks/gpu_copy_bench.py --out $(GPU_OUT)/gpu_copy_bench.json
-	PYTHONPATH=$(CURDIR) $(GPU_PY) benchmarks/region_bench.py --out $(GPU_OUT)/region_bench.json
+	$(GPU_ENV) bash scripts/gpu_check.sh run "$(GPU_OUT)"
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -63,9 +63,14 @@ ENGINES: dict[str, EmulatedEngine] = {
     "mla-LBNHC-kernel16": EmulatedEngine(
         backend="FLASHMLA", layout="LBNHC", head_size=64, kernel_block_size=16
     ),
+    # one KV head per rank (GQA at high TP): FlashAttention's NHD pages and FlashInfer's
+    # HND pages hold the same bytes
+    "flash-LBNHC-1head": EmulatedEngine(backend="FLASH_ATTN", layout="LBNHC", kv_heads=1),
+    "flashinfer-HND-1head": EmulatedEngine(backend="FLASHINFER", layout="LBHNC", kv_heads=1),
 }
 DTYPES = ["bfloat16", "float16", "fp8_e4m3"]
-KV_ENGINES = [k for k, e in ENGINES.items() if e.packing != "latent"]
+KV_ENGINES = [k for k, e in ENGINES.items() if e.packing != "latent" and e.kv_heads > 1]
+ONE_HEAD_ENGINES = [k for k, e in ENGINES.items() if e.packing != "latent" and e.kv_heads == 1]
 MLA_ENGINES = [k for k, e in ENGINES.items() if e.packing == "latent"]
 
 
@@ -169,7 +174,10 @@ def _different_pairs(names: list[str]) -> list[tuple[str, str]]:
 
 
 @pytest.mark.parametrize(
-    ("src", "dst"), _different_pairs(KV_ENGINES) + _different_pairs(MLA_ENGINES)
+    ("src", "dst"),
+    _different_pairs(KV_ENGINES)
+    + _different_pairs(ONE_HEAD_ENGINES)
+    + _different_pairs(MLA_ENGINES),
 )
 def test_layout_conversion_round_trip(src: str, dst: str, ns: str) -> None:
     """Different layouts convert on the consumer's device, token for token."""

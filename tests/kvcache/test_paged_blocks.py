@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from _kv_fixtures import BS, HEADS, cpu_layout_cache, reference_kv
 
 from vllm_omni_kv import KVCacheTransferData, KVPayloadError
+from vllm_omni_kv.connector.engine_layout import EngineLayout
+from vllm_omni_kv.kvcache.cache_layout import KVLayoutId
 from vllm_omni_kv.kvcache.paged_blocks import (
     blocks_to_tokens,
     extract_request_blocks,
@@ -14,9 +18,17 @@ from vllm_omni_kv.kvcache.paged_blocks import (
     is_block_payload,
 )
 from vllm_omni_kv.kvcache.token_major import extract_request_kv
+from vllm_omni_kv.testing.layout_emulator import (
+    EmulatedEngine,
+    build_caches,
+    read_tokens,
+    reference_tokens,
+    write_tokens,
+)
 
 IDS = [7, 2, 9, 4, 0]
 SEQ = 140  # 4 full blocks + 12 tokens
+DEVICE = os.environ.get("OMNIKV_TEST_DEVICE", "cpu")
 
 
 def _wire(data: KVCacheTransferData) -> dict:
@@ -98,3 +110,41 @@ def test_bad_requests_are_rejected():
         extract_request_blocks("r", IDS[:3], SEQ, _caches())
     with pytest.raises(KVPayloadError, match="out of range"):
         extract_request_blocks("r", [99], 10, _caches())
+
+
+# one KV head per rank (MLA; GQA at high TP) between layouts whose intra-block orders
+# differ: a page holds the same bytes in both orders, only its shape differs
+ONE_HEAD_PAIRS = [
+    (("FLASHMLA", "LBNHC"), ("FLASHMLA", "BLHNC")),
+    (("FLASHMLA", "BLHNC"), ("FLASHMLA", "LBNHC")),
+    (("FLASH_ATTN", "LBNHC"), ("FLASHINFER", "LBHNC")),
+    (("FLASHINFER", "BHLNC"), ("FLASH_ATTN", "BLNHC")),
+]
+
+
+def _one_head(backend: str, layout: str) -> EmulatedEngine:
+    return EmulatedEngine(backend=backend, layout=layout, kv_heads=1, head_size=64, device=DEVICE)
+
+
+def _emulated_ident(e: EmulatedEngine) -> KVLayoutId:
+    return EngineLayout(e.block_size, e.layout, e.backend, e.packing == "latent").identity(
+        next(iter(build_caches(e).values()))
+    )
+
+
+@pytest.mark.parametrize(("src", "dst"), ONE_HEAD_PAIRS)
+def test_layout_one_head_pages_copy_between_page_orders(src: tuple, dst: tuple) -> None:
+    """HNC and NHC pages of one head are the same bytes: the page write (the path a GPU
+    cache takes) copies them, and the consumer reads every token the producer wrote."""
+    s, d = _one_head(*src), _one_head(*dst)
+    sid, did = _emulated_ident(s), _emulated_ident(d)
+    assert sid.page_order != did.page_order and did.same_pages(sid)
+    pc, cc = build_caches(s), build_caches(d)
+    src_ids, dst_ids, seq = [7, 2, 9, 4], [1, 5, 0, 8], 100
+    ref = reference_tokens(s, seq, seed=3)
+    write_tokens(s, pc, src_ids, ref)
+    got = _wire(extract_request_blocks("r", src_ids, seq, list(pc.values()), layout=sid))
+    assert inject_request_blocks(got, list(cc.values()), dst_ids, layout=did) == seq
+    for (rk, rv), (gk, gv) in zip(ref, read_tokens(d, cc, dst_ids, seq), strict=True):
+        assert torch.equal(gk, rk)
+        assert rv is None and gv is None or torch.equal(gv, rv)

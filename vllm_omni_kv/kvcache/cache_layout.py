@@ -10,6 +10,10 @@ attention backend (the *packing*):
 * ``kt_v`` (vLLM's CPU backend, LBHNC only): per block and head, K transposed
   (``[head_size, block_size]``) then V (``[block_size, head_size]``).
 * ``latent`` (MLA): one latent vector per token (``kv_heads == 1``, ``C`` its width).
+* ``packed``: an opaque cell per (head slot, token) whose meaning only the backend knows
+  (NVFP4, TurboQuant, per-token-head scales, separate K/V planes; vLLM's KV cache spec
+  says so). Its pages are copied byte for byte between engines of the same backend and
+  identity, never converted, and have no per-token K/V view.
 
 When the attention kernel uses smaller blocks than the block manager, a manager
 block is ``ratio`` kernel blocks in a row (dim 0 of the view counts kernel blocks).
@@ -19,7 +23,8 @@ producer's intra-block order (``HNC`` or ``NHC``) plus a :class:`KVLayoutId`, so
 consumer copies pages byte for byte when both identities agree on everything that
 gives the bytes their meaning, converts them through token views when they differ
 losslessly (``kt_v`` and ``k_v``, ``HNC`` and ``NHC``, other kernel blocks), and
-refuses otherwise (other dtype, heads, head size or block size).
+refuses otherwise (other dtype, heads, head size or block size; packed pages that are not
+the same bytes).
 """
 
 from __future__ import annotations
@@ -42,7 +47,9 @@ LAYOUT_ORDERS: dict[str, tuple[int, ...]] = {
 }
 #: vLLM's legacy names (``VLLM_KV_CACHE_LAYOUT`` accepts them too)
 LAYOUT_ALIASES = {"HND": "LBHNC", "NHD": "LBNHC"}
-PACKINGS = ("k_v", "kt_v", "latent")
+PACKINGS = ("k_v", "kt_v", "latent", "packed")
+#: packings whose ``C`` is one cell of ``head_size`` elements (no separate K and V)
+CELL_PACKINGS = ("latent", "packed")
 #: attention backends whose ``C`` is not K|V per token
 BACKEND_PACKING = {"CPU_ATTN": "kt_v"}
 FP8_NAMES = {"fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
@@ -85,7 +92,7 @@ class KVLayoutId:
     block_size: int  # tokens per manager block
     kernel_block_size: int  # tokens per attention-kernel block (divides block_size)
     kv_heads: int
-    head_size: int  # K (and V) width per head; the latent width for MLA
+    head_size: int  # K (and V) width per head; the latent (MLA) or cell (packed) width
     element_size: int
     backend: str = ""  # the attention backend's name (reported, not compared)
 
@@ -113,7 +120,7 @@ class KVLayoutId:
     @property
     def content(self) -> int:
         """Elements of ``C``, the last axis of vLLM's view."""
-        return self.head_size if self.packing == "latent" else 2 * self.head_size
+        return self.head_size if self.packing in CELL_PACKINGS else 2 * self.head_size
 
     @property
     def page_order(self) -> str:
@@ -152,6 +159,16 @@ class KVLayoutId:
                 return f"{what} differs ({getattr(other, what)} vs {getattr(self, what)})"
         if (self.packing == "latent") != (other.packing == "latent"):
             return "an MLA latent cache and a K/V cache hold different things"
+        if "packed" in (self.packing, other.packing) and (
+            self.packing != other.packing
+            or self.backend != other.backend
+            or not self.same_pages(other)
+        ):
+            return (
+                "packed (quantized or backend-packed) pages are copied only byte for byte, "
+                "between engines with the same attention backend, cache dtype, intra-block "
+                "order, heads and block sizes"
+            )
         return None
 
     def to_dict(self) -> dict[str, Any]:
@@ -212,6 +229,8 @@ def token_views(view: torch.Tensor, ident: KVLayoutId) -> tuple[torch.Tensor, to
     logical view (``V`` is None for an MLA latent cache, whose "K" is the latent)."""
     if ident.packing == "latent":
         return view.transpose(1, 2), None
+    if ident.packing == "packed":
+        raise ConfigError(f"{ident.describe()}: packed cache cells have no per-token K/V view")
     if ident.packing == "k_v":
         t = view.transpose(1, 2)
         d = ident.head_size
@@ -242,7 +261,9 @@ def block_token_views(
 
 def block_kv(view: torch.Tensor, ident: KVLayoutId) -> tuple[torch.Tensor, torch.Tensor] | None:
     """K and V as ``[manager blocks, block_size, H, head_size]`` views, or None where the
-    layout has no such view (MLA; kernel blocks that split a head-major block)."""
+    layout has no such view (MLA, packed; kernel blocks that split a head-major block)."""
+    if ident.packing == "packed":
+        return None
     k, v = block_token_views(view, ident)
     if v is None:
         return None
@@ -289,6 +310,6 @@ def infer_identity(
         block_size=int(block_size or n),
         kernel_block_size=int(n),
         kv_heads=int(h),
-        head_size=int(c if pk == "latent" else c // 2),
+        head_size=int(c if pk in CELL_PACKINGS else c // 2),
         element_size=view.element_size(),
     )

@@ -103,10 +103,12 @@ def _identity_views(
         return None
     kv = block_kv(layer_kv, ident)
     if kv is None:
-        why = (
-            "an MLA latent cache has no separate K and V"
-            if ident.packing == "latent"
-            else ("kernel blocks split a head-major block, so a block's tokens are not one view")
+        why = {
+            "latent": "an MLA latent cache has no separate K and V",
+            "packed": "packed cache cells have no separate K and V",
+        }.get(
+            ident.packing,
+            "kernel blocks split a head-major block, so a block's tokens are not one view",
         )
         _warn_invalid(req_id, layer_idx, f"{ident.describe()}: {why}")
     return kv

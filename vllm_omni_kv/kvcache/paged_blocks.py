@@ -29,6 +29,7 @@ import torch
 
 from vllm_omni_kv.errors import ConfigError, KVPayloadError
 from vllm_omni_kv.kvcache.cache_layout import (
+    CELL_PACKINGS,
     KVLayoutId,
     bits,
     block_token_views,
@@ -282,8 +283,11 @@ class BlocksPlan:
         """Write one layer's pages (after its bytes are final), converting when needed."""
         if self.raw:
             pv = page_view(c.cache, self.dst_layout)
+            # same bytes, possibly another page shape: with one KV head an HNC page and
+            # an NHC page differ only in where the size-1 head axis sits
+            src = c.src.reshape(c.src.shape[0], *self.dst_layout.page_shape)
             idx = torch.tensor(c.ids, dtype=torch.long, device=pv.device)
-            bits(pv).index_copy_(0, idx, bits(c.src).to(pv.device, non_blocking=True))
+            bits(pv).index_copy_(0, idx, bits(src).to(pv.device, non_blocking=True))
         else:
             convert_pages(c.src, self.src_layout, c.cache, self.dst_layout, c.ids)
 
@@ -414,9 +418,10 @@ def inject_request_blocks(
 def blocks_to_tokens(data: dict[str, Any]) -> dict[str, Any]:
     """Convert a paged-blocks payload to the token-major format (``[num_tokens, heads, dim]``)."""
     meta, ident, layers = _block_layers(data)
-    if ident.packing == "latent":
+    if ident.packing in CELL_PACKINGS:
+        what = "an MLA latent" if ident.packing == "latent" else "a packed (quantized)"
         raise KVPayloadError(
-            "an MLA latent payload has no K/V to merge or slice across TP sizes: run "
+            f"{what} payload has no K/V to merge or slice across TP sizes: run "
             "producer and consumer with the same TP size"
         )
     n = meta.num_tokens
