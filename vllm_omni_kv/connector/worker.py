@@ -47,12 +47,7 @@ from vllm_omni_kv.connector.metadata import (
 from vllm_omni_kv.connector.outcome import Outcome as _Outcome
 from vllm_omni_kv.connector.outcome import report
 from vllm_omni_kv.connector.page_export import PageExport
-from vllm_omni_kv.connector.receive import (
-    LayerCache,
-    forward_mark,
-    layer_caches,
-    token_caches,
-)
+from vllm_omni_kv.connector.receive import LayerCache, forward_mark, layer_caches, token_caches
 from vllm_omni_kv.connector.stats import OmniKVConnectorStats
 from vllm_omni_kv.errors import (
     ConfigError,

@@ -155,8 +155,8 @@ def test_cuda_pull_threads_have_the_device_and_a_context_current() -> None:
     seen: list[int] = []
 
     def read(session: str, local: int, remote: int, length: int) -> None:
+        _Engine.read(engine, session, local, remote, length)  # notes the context first
         seen.append(torch.cuda.current_device())
-        _Engine.read(engine, session, local, remote, length)
 
     engine.read = read  # type: ignore[method-assign]
     with cf.ThreadPoolExecutor(1, thread_name_prefix="pytest-pull") as pool:
