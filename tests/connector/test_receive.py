@@ -17,13 +17,16 @@ from _kv_fixtures import BS, LAYERS, cpu_layout_cache, head_shard, reference_kv
 
 from vllm_omni_kv.connector.engine_layout import EngineLayout
 from vllm_omni_kv.connector.metadata import LoadSpec
-from vllm_omni_kv.connector.receive import Received, layer_caches, receive
+from vllm_omni_kv.connector.receive import Received, forward_mark, layer_caches, receive
 from vllm_omni_kv.errors import ConfigError, KVPayloadError
+from vllm_omni_kv.kvcache import device_order
+from vllm_omni_kv.kvcache.device_order import DeviceEvent
 from vllm_omni_kv.kvcache.kv_utils import KVTPTopology
 from vllm_omni_kv.kvcache.paged_blocks import block_bytes, extract_request_blocks
 from vllm_omni_kv.kvcache.token_major import extract_request_kv
 from vllm_omni_kv.testing import fake_backend
 from vllm_omni_kv.testing.fake_backend import FakeBackend
+from vllm_omni_kv.testing.fake_streams import RecordingStreams
 from vllm_omni_kv.transfer.session import TransferSession
 
 SEQ = 300
@@ -88,7 +91,12 @@ def _check(dst: list[torch.Tensor], src: list[torch.Tensor], lo: int) -> None:
 
 
 def _receive(
-    ns: str, dst: list[torch.Tensor], spec: LoadSpec, topo: KVTPTopology, keys: list[str]
+    ns: str,
+    dst: list[torch.Tensor],
+    spec: LoadSpec,
+    topo: KVTPTopology,
+    keys: list[str],
+    after: DeviceEvent | None = None,
 ) -> Received:
     return receive(
         _session(ns),
@@ -98,6 +106,7 @@ def _receive(
         topo,
         time.monotonic() + 5,
         threading.Event(),
+        after=after,
     )
 
 
@@ -172,3 +181,43 @@ def test_an_unreadable_cache_layout_fails_at_registration() -> None:
     lbnhc = torch.zeros(8, BS, 2, 128).transpose(1, 2)
     with pytest.raises(ConfigError, match="not in LBHNC order"):
         layer_caches({"l0": lbnhc}, EngineLayout(BS, "LBHNC", "FLASH_ATTN"))
+
+
+# -- order against the forward stream (issue 24, item 6) ----------------------------------
+def test_a_loads_writes_run_after_the_work_queued_when_it_started(ns: str) -> None:
+    """Work queued on the forward stream before the load started (a step still running
+    under async scheduling, writing a block that is then freed and handed to this load)
+    runs before the load's writes, and the load returns only once they ran."""
+    src = [cpu_layout_cache(i, seed=0) for i in range(LAYERS)]
+    dst = [cpu_layout_cache(i, seed=1) for i in range(LAYERS)]
+    _send_blocks(ns, src)
+    fake = RecordingStreams()
+    with device_order.installed("cpu", fake):
+        stale = fake.work(fake.forward, "the previous step's write into a block")
+        after = forward_mark(_layers(dst))
+        got = _receive(ns, dst, _spec(), KVTPTopology(1, 1, 0), ["k"], after=after)
+    assert got.tokens == SEQ
+    _check(dst, src, 0)
+    (side,) = fake.side_streams()
+    assert side.ops[0][0] == "wait", "the load queued work before waiting for the forward"
+    assert fake.before(stale, (side.name, 0))
+    assert fake.waited_for((side.name, len(side.ops) - 1)), "reported before its writes ran"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_a_load_lands_after_a_write_queued_on_the_forward(ns: str) -> None:
+    """A write into the request's blocks queued on the (busy) forward stream before the
+    load started is overwritten by the load, not the other way round."""
+    src = [cpu_layout_cache(i, seed=0) for i in range(LAYERS)]
+    dst = [cpu_layout_cache(i, seed=1).to("cuda") for i in range(LAYERS)]
+    _send_blocks(ns, src)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # the previous step still running
+    for d in dst:
+        d.fill_(7)  # ... and then writing into the blocks
+    after = forward_mark(_layers(dst))
+    got = _receive(ns, dst, _spec(), KVTPTopology(1, 1, 0), ["k"], after=after)
+    torch.cuda.synchronize()
+    assert got.tokens == SEQ
+    _check([d.cpu() for d in dst], src, 0)

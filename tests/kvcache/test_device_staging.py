@@ -18,9 +18,11 @@ import torch
 from vllm_omni_kv import KVCacheTransferData
 from vllm_omni_kv.connector.engine_layout import EngineLayout
 from vllm_omni_kv.errors import ConfigError
+from vllm_omni_kv.kvcache import device_order
 from vllm_omni_kv.kvcache.cache_layout import KVLayoutId
 from vllm_omni_kv.kvcache.device_staging import GRANULE, DeviceStager, canonical_device
 from vllm_omni_kv.kvcache.paged_blocks import extract_request_blocks, inject_request_blocks
+from vllm_omni_kv.testing.fake_streams import RecordingStreams
 from vllm_omni_kv.testing.layout_emulator import (
     EmulatedEngine,
     build_caches,
@@ -195,3 +197,64 @@ def test_cuda_shm_segments_are_pinned_while_mapped() -> None:
     finally:
         pa.close()
     assert not arena._pins
+
+
+# -- ordering of copies out of a staging buffer (issue 24, item 2) -----------------------
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def test_staged_copy_into_device_memory_is_ordered_after_the_packer_and_before_its_next_use() -> (
+    None
+):
+    """Packing a frame on the device: the frame's zero fill is queued on the packing
+    thread's stream, the layer's copy on the stager's side stream. The copy must run
+    after the fill (else the layer goes out as zeros) and before the packing stream's next
+    use of the frame (the copy into a pool block), with no host wait. Checked with
+    recording streams on host tensors."""
+    fake = RecordingStreams()
+    views = [torch.randn(12, 2, 16, 64), torch.randn(12, 2, 16, 64)]
+    ids = [3, 7, 1]
+    with device_order.installed("cpu", fake):
+        stager = DeviceStager("cpu")
+        staged = stager.gather(views, ids)
+        assert staged is not None
+        fill = fake.work(fake.forward, "the frame's zero fill")
+        dst = torch.zeros(len(ids), 2, 16, 64)
+        assert list(staged.fill(0)(dst)) == [dst.numel() * dst.element_size()]
+        next_use = fake.work(fake.forward, "copy of the frame into the pool block")
+    (copy,) = fake.queued(stager.side, "copy_")
+    gather = fake.queued(stager.side, "index_select")[0]
+    assert torch.equal(dst, views[0][ids])
+    assert fake.before(fill, copy), "the layer's copy may run before the frame's zero fill"
+    assert fake.before(copy, next_use), "the frame's next use may run before the copy"
+    assert fake.before(gather, copy)
+    assert not fake.host_waits, "the copy into device memory made the host wait"
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_device_frame_holds_every_layer_while_the_forward_is_busy() -> None:
+    """A staged payload packed on the GPU (a device pool's frame) while the forward stream
+    is busy before and after the gather: every layer arrives, none as zeros."""
+    from vllm_omni_kv.kvcache.cache_layout import page_view
+    from vllm_omni_kv.wire import codec
+
+    e = EmulatedEngine(**{**_engine("flash-LBNHC", "bfloat16").__dict__, "device": "cuda"})
+    caches = build_caches(e)
+    layers = list(caches.values())
+    write_tokens(e, caches, SRC_IDS, reference_tokens(e, SEQ, seed=5))
+    ident = _identity(e, layers[0])
+    index = torch.tensor(SRC_IDS, device="cuda")
+    expect = [page_view(c, ident).index_select(0, index).cpu() for c in layers]
+    stager = DeviceStager("cuda")
+    torch.cuda.synchronize()
+    torch.cuda._sleep(50_000_000)  # the forward still running when the gather is queued
+    data = extract_request_blocks("r", SRC_IDS, SEQ, layers, layout=ident, stager=stager)
+    torch.cuda._sleep(100_000_000)  # more forward work queued before the frame is packed
+    packed = data.frame().to_device_tensor("cuda")
+    got = codec.decode_tensor(packed)["layer_blocks"]["kv_blocks"]
+    assert len(got) == len(expect)
+    for i, (raw, want) in enumerate(zip(got, expect, strict=True)):
+        assert torch.equal(
+            raw.cpu().view(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)
+        ), f"layer {i} differs from the cache's pages"

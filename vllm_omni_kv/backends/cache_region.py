@@ -34,6 +34,7 @@ from torch.overrides import TorchFunctionMode
 
 from vllm_omni_kv.errors import ConfigError, KVPayloadError
 from vllm_omni_kv.kvcache.cache_layout import KVLayoutId, page_view
+from vllm_omni_kv.kvcache.device_order import settle, streams_of
 from vllm_omni_kv.kvcache.shared_pages import attach_layers, copy_pages
 from vllm_omni_kv.logger import init_logger
 
@@ -191,9 +192,14 @@ class CacheRegion(ABC):
         layer views ``caches``; None when they were not allocated in this region."""
 
     def ready(self, caches: Sequence[torch.Tensor]) -> None:
-        """Called before a payload naming pages of ``caches`` is published: return once
-        those pages are final (a device cache: the forward that wrote them has run)."""
-        del caches  # host memory: written synchronously, final already
+        """Called before payloads naming pages of ``caches`` are published (once per
+        step): return once those pages are final. A device cache: an event recorded on
+        the forward stream is waited for (another process reads the pages with no
+        ordering on this device); host memory is written synchronously, final already."""
+        device = caches[0].device if caches else None
+        streams = streams_of(device)
+        if device is not None and streams is not None:
+            settle(streams, device)
 
     @abstractmethod
     def hold(self, from_stage: str, to_stage: str, key: str) -> str:

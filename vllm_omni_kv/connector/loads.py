@@ -25,6 +25,7 @@ from vllm_omni_kv.errors import (
     KVTransferTimeout,
     OmniKVError,
 )
+from vllm_omni_kv.kvcache.device_order import DeviceEvent
 from vllm_omni_kv.kvcache.kv_utils import KVTPTopology
 from vllm_omni_kv.logger import init_logger
 from vllm_omni_kv.transfer.session import TransferSession, sender_endpoint
@@ -69,10 +70,18 @@ class LoadRunner:
             **flags,
         )
 
-    def load(self, spec: LoadSpec, deadline: float, cancel: threading.Event) -> _Outcome:
+    def load(
+        self,
+        spec: LoadSpec,
+        deadline: float,
+        cancel: threading.Event,
+        after: DeviceEvent | None = None,
+    ) -> _Outcome:
+        """Run one load; its writes into a device cache run after ``after`` (the event
+        ``start_load_kv`` recorded on the forward stream)."""
         topo = self.topology(spec.source_tp_size)
         keys = self.session.recv_keys(spec.transfer_id, topo)
-        out = self._load(spec, deadline, cancel, topo, keys)
+        out = self._load(spec, deadline, cancel, topo, keys, after)
         if not out.ok:  # this consumer will not read it: the producer's blocks may go now
             for key, _rank in keys:
                 try:
@@ -88,6 +97,7 @@ class LoadRunner:
         cancel: threading.Event,
         topo: KVTPTopology,
         keys: list[tuple[str, int | None]],
+        after: DeviceEvent | None,
     ) -> _Outcome:
         t0 = time.monotonic()
         endpoints = [sender_endpoint(spec.remote_host, spec.remote_port, r) for _k, r in keys]
@@ -103,6 +113,7 @@ class LoadRunner:
                 deadline,
                 cancel,
                 self.compat,
+                after,
             )
         except KVTransferCancelled as e:
             for (key, _r), ep in zip(keys, endpoints, strict=True):  # tell the producer

@@ -47,11 +47,15 @@ class PageExport:
             return None
         return cls(region, {"region": got[0], "geometry": geometry})
 
+    def ready(self, layers: Sequence[LayerCache]) -> None:
+        """Return once the pages of ``layers`` are final: called once per step, before
+        that step's payloads are published (a device cache waits for the forward)."""
+        self.region.ready([x.cache for x in layers])
+
     def payload(
         self, spec: SaveSpec, layers: Sequence[LayerCache], hold: str, md: dict[str, Any]
     ) -> KVCacheTransferData:
-        """The shared-pages payload of ``spec`` under ``hold``."""
-        self.region.ready([x.cache for x in layers])
+        """The shared-pages payload of ``spec`` under ``hold`` (after :meth:`ready`)."""
         return describe_request(
             spec.transfer_id,
             spec.block_ids,

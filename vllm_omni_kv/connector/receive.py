@@ -24,6 +24,7 @@ from vllm_omni_kv.connector.engine_layout import EngineLayout
 from vllm_omni_kv.connector.metadata import LoadSpec
 from vllm_omni_kv.errors import ConfigError, KVPayloadError
 from vllm_omni_kv.kvcache.cache_layout import KVLayoutId, block_kv
+from vllm_omni_kv.kvcache.device_order import DeviceEvent, mark, streams_of
 from vllm_omni_kv.kvcache.formats import InjectionPlan, plan_injection
 from vllm_omni_kv.kvcache.kv_utils import (
     KVTPTopology,
@@ -121,29 +122,37 @@ class Received(NamedTuple):
     write_seconds: float
 
 
-_streams = threading.local()
-
-
 @contextlib.contextmanager
-def device_writes(device: torch.device | None) -> Iterator[None]:
-    """Run a load's writes into a CUDA cache on this thread's side stream, and wait for
+def device_writes(device: torch.device | None, after: DeviceEvent | None = None) -> Iterator[None]:
+    """Run a load's writes into a device cache on this thread's side stream, and wait for
     them before returning: a load is reported (and vLLM's forward reads the blocks)
-    only after its bytes are on the device. A no-op for host caches."""
-    if device is None or device.type != "cuda":
+    only after its bytes are on the device. ``after``: an event recorded on the forward
+    stream when the load was started; the writes run after it, so work queued there
+    before (a step still running, async scheduling) never lands on a block after the
+    load. A no-op for host caches."""
+    streams = streams_of(device)
+    if device is None or streams is None:
         yield
         return
-    torch.cuda.set_device(device)  # this TP rank's device, in every load thread
-    streams = getattr(_streams, "by_device", None)
-    if streams is None:
-        streams = _streams.by_device = {}
-    stream = streams.get(device.index)
-    if stream is None:
-        stream = streams[device.index] = torch.cuda.Stream(device)
+    streams.set_device(device)  # this TP rank's device, in every load thread
+    stream = streams.side(device)
     try:
-        with torch.cuda.stream(stream):
+        with streams.use(stream):
+            if after is not None:
+                stream.wait_event(after)
             yield
     finally:
         stream.synchronize()
+
+
+def forward_mark(layers: Sequence[LayerCache]) -> DeviceEvent | None:
+    """An event after the work queued so far on the forward stream of ``layers``' device
+    (recorded by the thread that starts the loads); None for a host cache."""
+    device = layers[0].cache.device if layers else None
+    streams = streams_of(device)
+    if device is None or streams is None:
+        return None
+    return mark(streams, device)
 
 
 def _plan(
@@ -182,13 +191,15 @@ def receive(
     deadline: float,
     cancel: threading.Event,
     compat: CompatIdentity | None = None,
+    after: DeviceEvent | None = None,
 ) -> Received:
     """Load tokens ``[num_local_tokens, num_prompt_tokens)`` of ``spec``; every payload
-    must carry ``compat`` (this engine's compatibility identity) when it is given.
+    must carry ``compat`` (this engine's compatibility identity) when it is given, and
+    the writes run after ``after`` (:func:`forward_mark` of when the load started).
     One descent: the session hands out each payload's stream, kvcache plans where its
     bytes go (blocks, tokens, or pages copied from the producer's cache), and the plan
     is applied here."""
-    with device_writes(layers[0].cache.device if layers else None):
+    with device_writes(layers[0].cache.device if layers else None, after):
         block_size = layers[0].ident.block_size if layers else 0
         start = spec.num_local_tokens
         if len(keys) == 1 and not topo.is_heterogeneous:

@@ -47,7 +47,7 @@ from vllm_omni_kv.connector.metadata import (
 from vllm_omni_kv.connector.outcome import Outcome as _Outcome
 from vllm_omni_kv.connector.outcome import report
 from vllm_omni_kv.connector.page_export import PageExport
-from vllm_omni_kv.connector.receive import LayerCache, layer_caches, token_caches
+from vllm_omni_kv.connector.receive import LayerCache, forward_mark, layer_caches, token_caches
 from vllm_omni_kv.connector.stats import OmniKVConnectorStats
 from vllm_omni_kv.errors import (
     ConfigError,
@@ -306,6 +306,8 @@ class OmniKVWorker:
                 "OmniKVConnector: a kv_consumer was asked to save KV: use kv_role kv_producer "
                 "or kv_both on the stage that prefills"
             )
+        if self._export is not None:  # one wait for this step's pages, not one per payload
+            self._export.ready(self.layers)
         for spec in meta.saves:
             self._send(spec, self._handoffs)
 
@@ -327,9 +329,13 @@ class OmniKVWorker:
             self._pool.submit(self._runner().extend, d)
         if meta.withdraws and self._handoffs is not None:
             self._handoffs.withdraw(meta.withdraws)
+        # the loads' writes run after what is queued on the forward stream now
+        after = forward_mark(self.layers) if meta.loads else None
         for spec in meta.loads:
             cancel = threading.Event()
-            fut = self._pool.submit(self._runner().load, spec, now + self.cfg.recv_timeout, cancel)
+            fut = self._pool.submit(
+                self._runner().load, spec, now + self.cfg.recv_timeout, cancel, after
+            )
             with self._lock:
                 self._inflight[spec.req_id] = (fut, cancel)
             fut.add_done_callback(functools.partial(self._done, spec))

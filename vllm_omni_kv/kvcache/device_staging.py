@@ -6,12 +6,19 @@ whatever stream the packing thread happens to use. :class:`DeviceStager`
 instead gathers the pages of every layer into one reusable device buffer, on a
 side stream that first waits for an event recorded after the forward pass; the
 forward stream then waits for the gather to finish, so blocks vLLM frees and
-reuses next step are never overwritten before they were read. Packing copies each
-layer's slice of that buffer into the frame on the same side stream and returns
-once the copy has landed: the frame is published only after its bytes are final.
+reuses next step are never overwritten before they were read.
 
-On a host device the same code runs synchronously (no streams), which is how CI
-exercises the slicing on vLLM's GPU layouts without a GPU.
+Packing copies each layer's slice of that buffer into the frame on the same side
+stream. Into host memory the copy is waited for before the layer is reported
+packed (the frame's bytes are final when a reader sees them). Into device memory (a
+frame packed in a device pool) no host wait: the side stream first waits for the
+work queued on the packing thread's stream (the frame's zero fill and header), and
+that stream then waits for the copy, so whatever it does with the frame next (the
+copy into the pool block) sees every layer.
+
+Stream operations come from :mod:`.device_order`; on a host device the same code runs
+synchronously (no streams), which is how CI exercises the slicing on vLLM's GPU
+layouts without a GPU.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import torch
 
 from vllm_omni_kv.errors import ConfigError
 from vllm_omni_kv.kvcache.cache_layout import bits
+from vllm_omni_kv.kvcache.device_order import DeviceEvent, Streams, mark, streams_of
 
 #: default bound on the device memory all staging buffers of one stager may hold
 DEFAULT_STAGING_BYTES = 256 << 20
@@ -74,7 +82,7 @@ class StagedPages:
         stager: DeviceStager,
         buf: torch.Tensor,
         slices: list[_Slice | None],
-        gathered: torch.cuda.Event | None,
+        gathered: DeviceEvent | None,
     ) -> None:
         self._stager = stager
         self._buf: torch.Tensor | None = buf
@@ -101,20 +109,34 @@ class StagedPages:
 
         def run(dst: torch.Tensor) -> Iterator[int]:
             src = self.layer(i)
-            stream = self._stager.stream
-            if stream is None:
+            streams = self._stager.streams
+            if streams is None:
                 bits(dst).copy_(bits(src))
             else:
-                with torch.cuda.stream(stream):
-                    # after the gather, on the stream that did it; async into pinned memory
-                    bits(dst).copy_(bits(src), non_blocking=dst.is_pinned() or dst.is_cuda)
-                    done = torch.cuda.Event()
-                    done.record(stream)
-                done.synchronize()
+                self._copy_out(streams, src, dst)
             self._done(i)
             yield dst.numel() * dst.element_size()
 
         return run
+
+    def _copy_out(self, streams: Streams, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy ``src`` into ``dst`` on the stager's side stream (after the gather, which
+        was queued there): into device memory ordered both ways with the packing
+        thread's stream, into host memory waited for."""
+        stream = self._stager.side
+        assert stream is not None
+        on_device = dst.device.type != "cpu" or dst.device == self._stager.device
+        packer = streams.current(dst.device) if on_device else None
+        with streams.use(stream):
+            if packer is not None:  # after the frame's zero fill and header
+                stream.wait_stream(packer)
+            bits(dst).copy_(bits(src), non_blocking=dst.is_pinned() or on_device)
+            done = streams.event()
+            done.record(stream)
+        if packer is not None:
+            packer.wait_event(done)  # the frame's next use sees this layer
+        else:
+            done.synchronize()  # the bytes are final when this layer is reported packed
 
     def _done(self, i: int) -> None:
         with self._lock:
@@ -147,9 +169,10 @@ class DeviceStager:
         if max_bytes <= 0:
             raise ConfigError(f"staging_bytes must be > 0, got {max_bytes}")
         self.max_bytes = int(max_bytes)
-        self.stream: torch.cuda.Stream | None = (
-            torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        )
+        #: the device's stream operations (None on the host: everything synchronous)
+        self.streams: Streams | None = streams_of(self.device)
+        #: the side stream every gather and copy out of a staging buffer runs on
+        self.side = None if self.streams is None else self.streams.new_stream(self.device)
         self._lock = threading.Lock()
         self._free: list[torch.Tensor] = []
         self._held = 0  # bytes of all buffers, free or in use
@@ -202,17 +225,16 @@ class DeviceStager:
             return None
         staged = StagedPages(self, buf, slices, None)
         idx = torch.tensor(list(ids), dtype=torch.long)
-        if self.stream is None:
+        if self.streams is None or self.side is None:
             self._gather_into(staged, page_views, idx)
         else:
-            forward = torch.cuda.current_stream(self.device)
-            after_forward = torch.cuda.Event()
-            after_forward.record(forward)
-            with torch.cuda.stream(self.stream):
-                self.stream.wait_event(after_forward)
+            after_forward = mark(self.streams, self.device)
+            forward = self.streams.current(self.device)
+            with self.streams.use(self.side):
+                self.side.wait_event(after_forward)
                 self._gather_into(staged, page_views, idx.to(self.device, non_blocking=True))
-                gathered = torch.cuda.Event()
-                gathered.record(self.stream)
+                gathered = self.streams.event()
+                gathered.record(self.side)
             forward.wait_event(gathered)  # blocks freed after this step are read first
             staged._gathered = gathered
         self.gathers += 1

@@ -13,15 +13,23 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
+from vllm_omni_kv.backends.cuda_ipc.region import CudaIpcRegion
 from vllm_omni_kv.backends.factory import OmniConnectorFactory
+from vllm_omni_kv.backends.shm import arena
+from vllm_omni_kv.backends.shm.liveness import HEARTBEAT_S
+from vllm_omni_kv.backends.shm.producer import ProducerArena
 from vllm_omni_kv.backends.spec import ConnectorSpec
 from vllm_omni_kv.errors import BackendUnavailable, KVTransferError
+from vllm_omni_kv.kvcache import device_order
+from vllm_omni_kv.testing.fake_streams import RecordingStreams
 
 LAYERS, BLOCKS, HEADS, BS, DIM = 3, 48, 2, 16, 64  # 1.2 MB: a region allocation
 SRC_IDS = [5, 6, 7, 12, 2, 3]  # two runs and a jump, as a block table gives them
@@ -76,7 +84,14 @@ def _reporting(fn: Any) -> Any:
     return run
 
 
-def _producer(name: str, ns: str, device: str, seed: int, conn: Any) -> None:
+def _see(visible: str | None) -> None:
+    """Restrict a child to GPU ``visible`` (before it initializes CUDA)."""
+    if visible is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible
+
+
+def _producer(name: str, ns: str, device: str, seed: int, visible: str | None, conn: Any) -> None:
+    _see(visible)
     from vllm_omni_kv.kvcache.cache_layout import infer_identity
     from vllm_omni_kv.kvcache.shared_pages import describe_request, layer_geometry
     from vllm_omni_kv.wire import codec
@@ -107,7 +122,8 @@ def _producer(name: str, ns: str, device: str, seed: int, conn: Any) -> None:
     backend.close()
 
 
-def _consumer(name: str, ns: str, device: str, seed: int, conn: Any) -> None:
+def _consumer(name: str, ns: str, device: str, seed: int, visible: str | None, conn: Any) -> None:
+    _see(visible)
     from vllm_omni_kv.kvcache.cache_layout import infer_identity
     from vllm_omni_kv.kvcache.shared_pages import shared_fields
 
@@ -154,13 +170,19 @@ def _run_consumer(*args: Any) -> None:
 
 @pytest.mark.parametrize("name", BACKENDS)
 def test_pages_move_between_processes_under_a_hold(name: str) -> None:
+    _move_pages(name, None, None)
+
+
+def _move_pages(name: str, producer_gpu: str | None, consumer_gpu: str | None) -> None:
+    """Producer and consumer processes (each restricted to its GPU when named); the
+    consumer copies the request's pages under the hold."""
     device = "cuda" if name == "cuda_ipc" else "cpu"
     ns = f"pytest-ipc-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     ctx = mp.get_context("spawn")
     p_conn, p_child = ctx.Pipe()
     c_conn, c_child = ctx.Pipe()
-    prod = ctx.Process(target=_run_producer, args=(name, ns, device, 7, p_child))
-    cons = ctx.Process(target=_run_consumer, args=(name, ns, device, 7, c_child))
+    prod = ctx.Process(target=_run_producer, args=(name, ns, device, 7, producer_gpu, p_child))
+    cons = ctx.Process(target=_run_consumer, args=(name, ns, device, 7, consumer_gpu, c_child))
     prod.start()
     try:
         assert p_conn.poll(120), "producer did not publish"
@@ -187,7 +209,6 @@ def test_pages_move_between_processes_under_a_hold(name: str) -> None:
             if p.is_alive():
                 p.kill()
                 p.join(10)
-        from vllm_omni_kv.backends.shm import arena
 
         arena.sweep_orphans()
         assert not arena.namespace_files(ns), arena.namespace_files(ns)
@@ -199,9 +220,200 @@ def test_cuda_ipc_without_a_gpu_says_what_to_use() -> None:
         _backend("cuda_ipc", f"pytest-ipc-{uuid.uuid4().hex[:8]}")
 
 
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-def test_cuda_ipc_refuses_a_gpu_this_process_cannot_see() -> None:
-    from vllm_omni_kv.backends.cuda_ipc.region import local_device
+# -- the consumer's handles (issue 24, item 4) -----------------------------------------------
+class _Producer:
+    """A producer's heartbeat segment and a host allocation standing for its exported cache
+    (what a consumer's opener maps), with the cache's layer views over it."""
 
-    with pytest.raises(KVTransferError, match="CUDA_VISIBLE_DEVICES"):
-        local_device("GPU-00000000-0000-0000-0000-000000000000")
+    def __init__(self, ns: str, seed: int) -> None:
+        from vllm_omni_kv.kvcache.cache_layout import infer_identity
+        from vllm_omni_kv.kvcache.shared_pages import layer_geometry
+
+        self.arena = ProducerArena(0, namespace=ns)
+        self.region = CudaIpcRegion(ns, self.arena, arena.STALE_S)
+        per_layer = BLOCKS * HEADS * BS * 2 * DIM * 2
+        self.alloc = torch.zeros(LAYERS * per_layer, dtype=torch.uint8)
+        self.views = [
+            self.alloc[i * per_layer : (i + 1) * per_layer]
+            .view(torch.bfloat16)
+            .view(BLOCKS, HEADS, BS, 2 * DIM)
+            for i in range(LAYERS)
+        ]
+        for v, ref in zip(self.views, _reference(seed, "cpu"), strict=True):
+            v.copy_(ref)
+        self.ident = infer_identity(self.views[0], packing="k_v")
+        self.geometry = layer_geometry(self.views, self.alloc.data_ptr(), self.alloc.numel())
+        self.handle = uuid.uuid4().bytes
+        self.desc = {
+            "kind": "cuda_ipc",
+            "uuid": "GPU-00000000-0000-0000-0000-000000000000",  # a GPU no process here sees
+            "owner": self.arena.instance,
+            "name": self.region.owner_segment(),
+            "handle": self.handle,
+            "size": self.alloc.numel(),
+            "offset": 0,
+            "ref_counter_handle": b"r",
+            "ref_counter_offset": 0,
+            "event_handle": b"e",
+            "event_sync_required": False,
+        }
+
+    def close(self) -> None:
+        self.region.close()
+        self.arena.close()
+
+
+class _Opener:
+    """Opens a producer's handle by handing out its host allocation; notes the device."""
+
+    def __init__(self, producers: list[_Producer]) -> None:
+        self.by_handle = {p.handle: p.alloc for p in producers}
+        self.devices: list[torch.device] = []
+
+    def __call__(self, device: torch.device, fields: Any) -> torch.Tensor:
+        self.devices.append(device)
+        return self.by_handle[bytes(fields[0])]
+
+
+def _copy(consumer: CudaIpcRegion, p: _Producer, mine: list[torch.Tensor]) -> int:
+    return consumer.copy_into(
+        p.desc, p.geometry, p.ident, mine, list(zip(SRC_IDS, DST_IDS, strict=True)), None, 0
+    )
+
+
+@pytest.fixture
+def ipc_ns() -> Iterator[str]:
+    ns = f"pytest-ipc-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    yield ns
+    arena.sweep_orphans()
+    assert not arena.namespace_files(ns), arena.namespace_files(ns)
+
+
+def test_handles_open_on_the_consumers_cache_device(ipc_ns: str) -> None:
+    """The producer's GPU is one this consumer cannot see (disjoint CUDA_VISIBLE_DEVICES):
+    the handle is opened on the device of the consumer's own cache, once, and the pages
+    are copied from it."""
+    prod = _Producer(ipc_ns, seed=11)
+    opener = _Opener([prod])
+    consumer = CudaIpcRegion(ipc_ns, ProducerArena(0, namespace=ipc_ns), arena.STALE_S, opener)
+    try:
+        mine = [torch.zeros_like(v) for v in prod.views]
+        page = HEADS * BS * 2 * DIM * 2
+        assert _copy(consumer, prod, mine) == LAYERS * len(SRC_IDS) * page
+        assert _copy(consumer, prod, mine) == LAYERS * len(SRC_IDS) * page
+        assert opener.devices == [mine[0].device]  # opened once, on the cache's device
+        ref = _reference(11, "cpu")
+        for i in range(LAYERS):
+            for s, d in zip(SRC_IDS, DST_IDS, strict=True):
+                assert torch.equal(mine[i][d], ref[i][s])
+        assert consumer.mapped_producers() == {prod.arena.instance}
+    finally:
+        consumer.close()
+        consumer.producer.close()
+        prod.close()
+
+
+def test_a_dead_producers_handle_is_closed_once_its_copies_ran(ipc_ns: str) -> None:
+    """A producer that died keeps no mapping in a live consumer (its GPU memory would stay
+    allocated): the next copy from another producer closes it, except while a copy out
+    of it may still run (its event not complete yet)."""
+    a, b = _Producer(ipc_ns, seed=1), _Producer(ipc_ns, seed=2)
+    consumer = CudaIpcRegion(
+        ipc_ns, ProducerArena(0, namespace=ipc_ns), arena.STALE_S, _Opener([a, b])
+    )
+    fake = RecordingStreams()
+    try:
+        mine = [torch.zeros_like(v) for v in a.views]
+        with device_order.installed("cpu", fake):
+            _copy(consumer, a, mine)
+            a_copied = fake.events[-1]  # recorded after the copy out of a's allocation
+            _copy(consumer, b, mine)
+            assert consumer.mapped_producers() == {a.arena.instance, b.arena.instance}
+            a.close()  # a's heartbeat segment is gone: a is dead
+            a_copied.done = False  # its copy still queued on the device
+            assert consumer.drop_dead_producers() == 0
+            assert consumer.mapped_producers() == {a.arena.instance, b.arena.instance}
+            a_copied.done = True
+            time.sleep(HEARTBEAT_S)  # a copy sweeps at most once per heartbeat
+            _copy(consumer, b, mine)
+        assert consumer.mapped_producers() == {b.arena.instance}
+        with pytest.raises(KVTransferError, match="gone"):
+            _copy(consumer, a, mine)
+    finally:
+        consumer.close()
+        consumer.producer.close()
+        b.close()
+
+
+two_gpus_with_peer_access = pytest.mark.skipif(
+    not HAS_CUDA or torch.cuda.device_count() < 2 or not torch.cuda.can_device_access_peer(1, 0),
+    reason="needs two CUDA devices with peer access",
+)
+
+
+@pytest.mark.gpu
+@two_gpus_with_peer_access
+def test_cuda_consumer_on_its_own_gpu_copies_from_a_producer_it_cannot_see() -> None:
+    """Two servers on disjoint CUDA_VISIBLE_DEVICES (each sees one GPU, as ``cuda:0``):
+    the consumer opens the producer's handle on its own GPU and copies the pages."""
+    _move_pages("cuda_ipc", "0", "1")
+
+
+def _exporter(ns: str, nbytes: int, conn: Any) -> None:
+    """A producer process exporting an ``nbytes`` cache (page 5 of it filled with 1.5);
+    it sends what a payload carries and waits to be killed."""
+    from vllm_omni_kv.kvcache.cache_layout import infer_identity
+    from vllm_omni_kv.kvcache.shared_pages import layer_geometry
+
+    backend = _backend("cuda_ipc", ns)
+    region = backend.cache_region
+    with region.allocation_context():
+        buf = torch.zeros(nbytes, dtype=torch.int8, device="cuda")
+    views = [buf.view(torch.bfloat16).view(-1, HEADS, BS, 2 * DIM)]
+    views[0][5].fill_(1.5)
+    torch.cuda.synchronize()
+    desc, base, n = region.export(views)
+    conn.send((desc, layer_geometry(views, base, n), infer_identity(views[0], packing="k_v")))
+    conn.recv()
+
+
+def _run_exporter(*args: Any) -> None:
+    _reporting(_exporter)(*args)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_cuda_a_killed_producers_memory_is_given_back_by_the_consumer(ipc_ns: str) -> None:
+    """A consumer that copied from a producer which was then killed closes its handle
+    (the next sweep), so the producer's GPU memory is freed while the consumer lives."""
+    nbytes = 1 << 30
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    prod = ctx.Process(target=_run_exporter, args=(ipc_ns, nbytes, child))
+    prod.start()
+    consumer = CudaIpcRegion(ipc_ns, ProducerArena(0, namespace=ipc_ns), arena.STALE_S)
+    try:
+        assert conn.poll(120), "the producer did not export"
+        got = conn.recv()
+        assert got[0] != "error", got
+        desc, geometry, ident = got
+        mine = [torch.zeros(8, HEADS, BS, 2 * DIM, dtype=torch.bfloat16, device="cuda")]
+        consumer.copy_into(desc, geometry, ident, mine, [(5, 0)], None, 0)
+        torch.cuda.synchronize()
+        assert bool((mine[0][0] == 1.5).all()) and not mine[0][1:].any()
+        assert consumer.mapped_producers() == {desc["owner"]}
+        mapped_free = torch.cuda.mem_get_info()[0]
+        prod.kill()
+        prod.join(30)
+        assert consumer.drop_dead_producers() == 1
+        assert consumer.mapped_producers() == set()
+        deadline = time.monotonic() + 20
+        while torch.cuda.mem_get_info()[0] < mapped_free + nbytes * 0.9:
+            assert time.monotonic() < deadline, "the killed producer's memory stayed allocated"
+            time.sleep(0.2)
+    finally:
+        consumer.close()
+        consumer.producer.close()
+        if prod.is_alive():
+            prod.kill()
+            prod.join(10)

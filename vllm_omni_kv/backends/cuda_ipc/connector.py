@@ -4,8 +4,9 @@ The shared-memory backend (:class:`~vllm_omni_kv.backends.shm.connector.SharedMe
 same settings) carries the small block-id payloads and their holds; the KV pages never
 leave the GPUs: the producer's cache is exported through CUDA IPC
 (:mod:`vllm_omni_kv.backends.cuda_ipc.region`) and a consumer on the same host copies the
-pages it lacks device to device. Both stages must see each other's GPUs (one GPU, or
-several with peer access). Registered as ``cuda_ipc`` (vllm-omni's ``CudaIpcConnector``).
+pages it lacks device to device, opening the producer's allocation on its own GPU (one
+GPU, or two with peer access). Registered as ``cuda_ipc`` (vllm-omni's
+``CudaIpcConnector``).
 """
 
 from __future__ import annotations

@@ -4,14 +4,16 @@ Producer: vLLM allocates the KV cache inside :meth:`CudaIpcRegion.allocation_con
 private ``torch.cuda.MemPool``, so the cache is a ``cudaMalloc`` allocation of its own
 that CUDA IPC can export (vLLM's sleep-mode allocator and expandable segments cannot
 be). :meth:`export` shares the cache's storage once (``_share_cuda_``: an IPC handle of
-the allocation, the storage's offset in it) and names the device by UUID, since
-``CUDA_VISIBLE_DEVICES`` may number devices differently in the consumer. A payload is
-block ids (:mod:`vllm_omni_kv.kvcache.shared_pages`); the producer synchronizes its
-stream before publishing one, so the pages are final when a consumer reads them.
+the allocation, the storage's offset in it) and names the device by UUID (device
+numbers differ between processes with different ``CUDA_VISIBLE_DEVICES``). A payload is
+block ids (:mod:`vllm_omni_kv.kvcache.shared_pages`); the producer waits for an event
+after the step's forward before it publishes a step's payloads, so the pages are final
+when a consumer reads them.
 :meth:`~CudaIpcRegion.check_placement` verifies that every layer view lies in one of the
 pool's segments (``MemPool.snapshot``).
 
-Consumer: opens the handle once per producer (``_new_shared_cuda``) and copies the pages
+Consumer: opens the handle once per producer, on its own cache's device
+(:mod:`.mappings`, which also drops a dead producer's mapping), and copies the pages
 it lacks device to device (peer to peer between two GPUs), then synchronizes before it
 releases the hold. Holds and liveness are the shared-memory ones
 (:class:`~vllm_omni_kv.backends.shm.cache_region.HoldFiles`): a small heartbeat segment
@@ -27,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-import threading
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
@@ -37,6 +38,7 @@ import numpy as np
 import torch
 
 from vllm_omni_kv.backends.cache_region import CacheRegion
+from vllm_omni_kv.backends.cuda_ipc.mappings import IpcMappings, Mapping, Opener, open_handle
 from vllm_omni_kv.backends.shm import arena
 from vllm_omni_kv.backends.shm.cache_region import HoldFiles
 from vllm_omni_kv.backends.shm.liveness import (
@@ -49,7 +51,9 @@ from vllm_omni_kv.backends.shm.liveness import (
 )
 from vllm_omni_kv.backends.shm.producer import ProducerArena
 from vllm_omni_kv.errors import ConfigError, KVPayloadError, KVTransferError
-from vllm_omni_kv.kvcache.shared_pages import layer_geometry
+from vllm_omni_kv.kvcache.cache_layout import KVLayoutId, page_view
+from vllm_omni_kv.kvcache.device_order import DeviceEvent, mark, streams_of
+from vllm_omni_kv.kvcache.shared_pages import attach_layers, copy_pages, layer_geometry
 from vllm_omni_kv.logger import init_logger
 
 logger = init_logger(__name__)
@@ -70,18 +74,6 @@ def device_uuid(index: int) -> str:
     return str(torch.cuda.get_device_properties(index).uuid)
 
 
-def local_device(uuid_str: Any) -> int:
-    """This process's index of the GPU with UUID ``uuid_str``; ``KVTransferError`` if unseen."""
-    for i in range(torch.cuda.device_count()):
-        if device_uuid(i) == uuid_str:
-            return i
-    raise KVTransferError(
-        f"the producer's GPU {uuid_str} is not visible to this process: CUDA IPC needs both "
-        "GPUs visible (include it in CUDA_VISIBLE_DEVICES) and on one host; otherwise use "
-        "the nixl or mooncake backend"
-    )
-
-
 class CudaIpcRegion(HoldFiles, CacheRegion):
     """A CUDA KV cache shared through CUDA IPC (producer) / opened handles (consumer)."""
 
@@ -90,15 +82,21 @@ class CudaIpcRegion(HoldFiles, CacheRegion):
     places = "cuda"
     off_switch = "use backend 'shm' without share_cache instead (packed payloads)"
 
-    def __init__(self, namespace: str, producer: ProducerArena, stale_s: float) -> None:
+    def __init__(
+        self,
+        namespace: str,
+        producer: ProducerArena,
+        stale_s: float,
+        opener: Opener = open_handle,
+    ) -> None:
+        """``opener``: how a consumer opens a producer's handle on a local device."""
         super().__init__(namespace)
         self.producer = producer
         self.stale_s = stale_s
         self._pool: Any = None
         self._entered = False
         self._owner_seg: arena.Segment | None = None
-        self._opened: dict[tuple[int, bytes, int], torch.Tensor] = {}  # consumer side
-        self._lock = threading.Lock()
+        self._mappings = IpcMappings(self._alive, opener)  # consumer side
 
     # -- producer ------------------------------------------------------------------------
     def allocation_context(self) -> AbstractContextManager[Any] | None:
@@ -126,8 +124,9 @@ class CudaIpcRegion(HoldFiles, CacheRegion):
     def describe(self) -> str:
         return "the CUDA IPC region (a private torch.cuda.MemPool)"
 
-    def _owner(self) -> str:
-        """The heartbeat segment standing for this producer (created once)."""
+    def owner_segment(self) -> str:
+        """The heartbeat segment standing for this producer (created once; consumers
+        judge the producer alive by it)."""
         if self._owner_seg is None:
             name = f"{arena.SEG_PREFIX}{os.getpid()}_{self.tag}_ipc{uuid.uuid4().hex[:14]}"
             head = np.zeros(arena.SLOT_WORDS, dtype="<u8")
@@ -163,7 +162,7 @@ class CudaIpcRegion(HoldFiles, CacheRegion):
             "kind": self.kind,
             "uuid": device_uuid(caches[0].device.index or 0),
             "owner": self.producer.instance,
-            "name": self._owner(),
+            "name": self.owner_segment(),
         }
         desc.update(zip(_SHARE_FIELDS, shared[1:], strict=True))
         logger.info(
@@ -174,35 +173,82 @@ class CudaIpcRegion(HoldFiles, CacheRegion):
         )
         return desc, base, nbytes
 
-    def ready(self, caches: Sequence[torch.Tensor]) -> None:
-        """The pages a payload names are final (the forward that wrote them has run)."""
-        if caches and caches[0].device.type == "cuda":
-            torch.cuda.current_stream(caches[0].device).synchronize()
-
     # -- consumer ------------------------------------------------------------------------
-    def attach(self, descriptor: Any) -> torch.Tensor:
+    def _use(self, descriptor: Any, device: torch.device) -> Mapping:
+        """The mapping of the producer's allocation ``descriptor`` names, opened on local
+        ``device``; in use until ``self._mappings.done``. ``KVTransferError`` when the
+        producer is gone (its mappings are dropped then)."""
         if not isinstance(descriptor, dict) or descriptor.get("kind") != self.kind:
             raise KVPayloadError(f"not a CUDA IPC cache region: {descriptor!r}")
         try:
             fields = [descriptor[f] for f in _SHARE_FIELDS]
             owner, name = int(descriptor["owner"]), str(descriptor["name"])
+            key = (owner, bytes(fields[0]), int(fields[2]), str(device))
         except (KeyError, TypeError, ValueError):
             raise KVPayloadError("CUDA IPC region descriptor is incomplete") from None
         if not name.startswith(arena.SEG_PREFIX) or "/" in name:
             raise KVPayloadError(f"CUDA IPC region names no producer segment: {name!r}")
-        self._check_alive(name, owner)
-        dev = local_device(descriptor.get("uuid"))
-        key = (owner, bytes(fields[0]), int(fields[2]))
-        with self._lock:
-            hit = self._opened.get(key)
-            if hit is not None:
-                return hit
-            with torch.cuda.device(dev):
-                storage = torch.UntypedStorage._new_shared_cuda(dev, *fields)
-                view = torch.empty(0, dtype=torch.uint8, device=f"cuda:{dev}")
-                view.set_(storage, 0, (storage.nbytes(),), (1,))
-            self._opened[key] = view
-            return view
+        self._mappings.sweep()  # other producers that died meanwhile
+        try:
+            self._check_alive(name, owner)
+        except KVTransferError:
+            self._mappings.drop_owners({owner})
+            raise
+        return self._mappings.use(key, owner, name, device, fields)
+
+    def attach(self, descriptor: Any) -> torch.Tensor:
+        """The producer's allocation, opened on this thread's current CUDA device."""
+        device = torch.device("cuda", torch.cuda.current_device())
+        mapping = self._use(descriptor, device)
+        streams = streams_of(device)
+        self._mappings.done(mapping, None if streams is None else mark(streams, device))
+        return mapping.view
+
+    def copy_into(
+        self,
+        descriptor: Any,
+        geometry: Any,
+        ident: KVLayoutId,
+        caches: Sequence[torch.Tensor],
+        pairs: Sequence[tuple[int, int]],
+        sums: list[list[int]] | None,
+        first: int,
+    ) -> int:
+        """Copy pages out of the producer's allocation, opened on the device of
+        ``caches`` (this consumer's), into ``caches``; the mapping stays in use until an
+        event after the copies completes."""
+        device = caches[0].device
+        mapping = self._use(descriptor, device)
+        last: DeviceEvent | None = None
+        try:
+            vkey = (repr(geometry), ident, caches[0].dtype)
+            src = mapping.pages.get(vkey)
+            if src is None:
+                layers = attach_layers(mapping.view, geometry, ident, caches[0].dtype)
+                src = mapping.pages[vkey] = [page_view(v, ident) for v in layers]
+            moved = copy_pages(src, [page_view(c, ident) for c in caches], pairs, sums, first)
+            streams = streams_of(device)
+            last = None if streams is None else mark(streams, device)
+            return moved
+        finally:
+            self._mappings.done(mapping, last)
+
+    def mapped_producers(self) -> set[int]:
+        """The producers (instance ids) this consumer holds open handles of."""
+        return self._mappings.owners()
+
+    def drop_dead_producers(self) -> int:
+        """Close the handles of producers that are gone, except any whose copies may still
+        run; returns how many were closed. Each copy does it too (at most once per
+        ``HEARTBEAT_S``)."""
+        return self._mappings.sweep(force=True)
+
+    def _alive(self, name: str, owner: int) -> bool:
+        try:
+            self._check_alive(name, owner)
+        except KVTransferError:
+            return False
+        return True
 
     def _check_alive(self, name: str, owner: int) -> None:
         try:
@@ -220,8 +266,7 @@ class CudaIpcRegion(HoldFiles, CacheRegion):
     def close(self) -> None:
         self.close_holds()
         self._views = {}
-        with self._lock:
-            self._opened.clear()  # drops the consumer's references to opened handles
+        self._mappings.clear()  # drops the consumer's references to opened handles
         with contextlib.suppress(Exception):
             if self._pool is not None and torch.cuda.is_initialized():
                 torch.cuda.synchronize()

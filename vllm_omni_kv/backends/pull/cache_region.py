@@ -170,17 +170,13 @@ class TECacheRegion(CacheRegion):
         with self._lock:
             self.tensor, self._registered = view, base
             self._addrs.append(base)
+        if self.conn._puller.device is None:  # reads land in this device's memory
+            self.conn._puller.device = caches[0].device
         if self.digests:
             logger.warning("verify_pages is for host caches: off for the KV cache on a GPU")
             self.digests = False  # hashing device pages would need a copy to the host
         self._registered_log(nbytes, str(caches[0].device))
         return True
-
-    def ready(self, caches: Sequence[torch.Tensor]) -> None:
-        """The pages a payload names are final (a device cache: the forward that wrote
-        them has run)."""
-        if caches and caches[0].device.type == "cuda":
-            torch.cuda.current_stream(caches[0].device).synchronize()
 
     def hold(self, from_stage: str, to_stage: str, key: str) -> str:
         name = self.hold_name(from_stage, to_stage, key)

@@ -153,6 +153,8 @@ class PullTransferConnector(OmniConnectorBase):
         self._client = SenderRequests(self.side_channel_timeout_s, self.engine_id, auth=self.auth)
         self._executor = cf.ThreadPoolExecutor(4, thread_name_prefix="omnikv-pull")
         self._puller = Puller(self.engine, self._executor, self.transfer_timeout_s)
+        if not self._host_pool:  # pull threads read into device memory: bind its device
+            self._puller.device = self.pool.tensor.device
 
     # -- subclass hook -------------------------------------------------------------
     def _make_engine(self) -> EngineAdapter:

@@ -11,6 +11,12 @@ a raw buffer (a tensor or bytes put on the fast path) in one read.
 Each stream holds its sender's lease from open to close: the load's end (or
 ``close``) releases it; a failed load releases it as unsuccessful so that the
 sender keeps the block for a retry.
+
+Engine reads run on the connector's pull threads, each bound first to the CUDA
+device the reads touch (:attr:`Puller.device`: a device pool's or registered
+cache's, else the device of the thread asking): engines move device memory with the
+calling thread's current device and context (UCX's CUDA transports need one;
+Mooncake otherwise bounces every rank's reads through device 0).
 """
 
 from __future__ import annotations
@@ -23,8 +29,11 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
+import torch
+
 from vllm_omni_kv.backends.pool import ManagedBuffer
 from vllm_omni_kv.errors import KVTransferError, KVTransferTimeout
+from vllm_omni_kv.kvcache.device_order import bind_device, cuda_device_in_use
 from vllm_omni_kv.wire import codec
 from vllm_omni_kv.wire.stream import ALL_READY, ChunkedStream, PayloadStream, Span, check_cancel
 
@@ -55,14 +64,26 @@ class PullFailed(KVTransferError):
 
 
 def _engine_read(
-    engine: EngineAdapter, session: str, local: int, remote: int, n: int, _keep: Any
+    device: torch.device | None,
+    engine: EngineAdapter,
+    session: str,
+    local: int,
+    remote: int,
+    n: int,
+    _keep: Any,
 ) -> None:
+    bind_device(device)
     engine.read(session, local, remote, n)  # ``_keep`` pins the destination until it ends
 
 
 def _engine_read_many(
-    engine: EngineAdapter, session: str, reads: list[tuple[int, int, int]], _keep: Any
+    device: torch.device | None,
+    engine: EngineAdapter,
+    session: str,
+    reads: list[tuple[int, int, int]],
+    _keep: Any,
 ) -> None:
+    bind_device(device)
     many = getattr(engine, "read_many", None)  # one batched transfer where the engine has it
     if many is not None:
         many(session, reads)
@@ -77,6 +98,13 @@ class Puller:
 
     def __init__(self, engine: EngineAdapter, executor: cf.ThreadPoolExecutor, timeout_s: float):
         self.engine, self.executor, self.timeout_s = engine, executor, timeout_s
+        #: the device the reads touch (a device pool, a registered CUDA cache); None: the
+        #: CUDA device of the thread asking for a read, where this process uses CUDA
+        self.device: torch.device | None = None
+
+    def read_device(self) -> torch.device | None:
+        """The device a pull thread binds before its next read."""
+        return self.device if self.device is not None else cuda_device_in_use()
 
     def read(
         self,
@@ -94,7 +122,7 @@ class Puller:
     ) -> None:
         """``track``: the read's future is appended to it (to wait for abandoned reads)."""
         self._bounded(
-            (_engine_read, self.engine, session, local, remote, n, keep),
+            (_engine_read, self.read_device(), self.engine, session, local, remote, n, keep),
             session,
             n,
             deadline,
@@ -116,7 +144,7 @@ class Puller:
     ) -> None:
         """``(local, remote, bytes)`` reads from one session as one bounded transfer."""
         n = sum(r[2] for r in reads)
-        call = (_engine_read_many, self.engine, session, reads, keep)
+        call = (_engine_read_many, self.read_device(), self.engine, session, reads, keep)
         self._bounded(call, session, n, deadline, None, what, None, track)
 
     def _bounded(

@@ -1,4 +1,10 @@
-"""Placing a put's data in the sender's registered pool (the only copy on the sender)."""
+"""Placing a put's data in the sender's registered pool (the only copy on the sender).
+
+A frame put into a device pool is packed on the device (its bytes queued on the
+putting thread's stream) and copied into the pool block there; the block is exposed
+(``put`` returns its address) only once an event recorded after that copy completed,
+so a consumer never pulls a block whose bytes are still queued.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ import torch
 
 from vllm_omni_kv.backends.pool import ManagedBuffer, MemoryPool
 from vllm_omni_kv.errors import KVTransferError
+from vllm_omni_kv.kvcache.device_order import settle, streams_of
 from vllm_omni_kv.wire import codec
 from vllm_omni_kv.wire.payload import KVCacheTransferData
 
@@ -24,7 +31,9 @@ def stage_in_pool(
     once (``fast``: a raw buffer), any other object is packed as a frame straight
     into the pool (with chunk digests unless ``checksum`` is False).
     """
-    host = pool.device.type == "cpu"
+    # copied by the CPU: not for a device pool (nor for a host pool given stream
+    # operations, which is how tests check the order of the device path)
+    host = pool.device.type == "cpu" and streams_of(pool.tensor.device) is None
     if isinstance(data, ManagedBuffer):
         if pool.owns(data):
             if data.released:
@@ -43,6 +52,7 @@ def stage_in_pool(
                 warnings.simplefilter("ignore", UserWarning)
                 src = torch.frombuffer(mv, dtype=torch.uint8)
             buf.tensor[: mv.nbytes].copy_(src)
+            _settle(pool)
         return sized(buf, mv.nbytes), mv.nbytes, True, None, None
     if isinstance(data, KVCacheTransferData):
         frame = data.frame()
@@ -52,12 +62,13 @@ def stage_in_pool(
         frame = codec.encode(data)
     buf = pool.alloc(frame.nbytes)
     try:
-        if pool.device.type == "cpu":
+        if host:
             size = frame.pack_into(buf.tensor.numpy(), checksum=checksum)
         else:
             packed = frame.to_device_tensor(pool.device)
             size = packed.numel()
             buf.tensor[:size].copy_(packed)
+            _settle(pool)
     except BaseException:
         buf.release()
         raise
@@ -79,10 +90,20 @@ def _stage_tensor(
             ctypes.memmove(buf.address, data.data_ptr(), n)
         elif n:
             buf.tensor[:n].view(data.dtype).view(data.shape).copy_(data)
+            _settle(pool)
     except BaseException:
         buf.release()
         raise
     return sized(buf, n), n, True, name, list(data.shape)
+
+
+def _settle(pool: MemoryPool) -> None:
+    """Return once the copies queued into ``pool`` (a device pool) have run: the block is
+    exposed only when it holds its bytes (a no-op for a host pool)."""
+    device = pool.tensor.device
+    streams = streams_of(device)
+    if streams is not None:
+        settle(streams, device)
 
 
 def sized(buf: ManagedBuffer, size: int) -> ManagedBuffer:

@@ -102,7 +102,7 @@ class ProducerArena:
                 return best, True
             cap = size_class(nbytes)
             pooled = self.total_bytes + cap <= self.max_bytes
-            seg = self._new_segment(cap if pooled else nbytes)
+            seg = self._new_segment(cap if pooled else nbytes, pin=pooled)
             seg.set_state(ONESHOT, 0)
             seg.last_use = self._uses
             if pooled:
@@ -110,7 +110,9 @@ class ProducerArena:
         self._start_beating()
         return seg, pooled
 
-    def _new_segment(self, capacity: int) -> Segment:
+    def _new_segment(self, capacity: int, pin: bool = True) -> Segment:
+        """A new segment; ``pin``: register it with CUDA (pooled segments, reused for the
+        process's life: registering costs milliseconds per GB, too much for a one-shot)."""
         name = f"{SEG_PREFIX}{self.pid}_{self.tag}_{uuid.uuid4().hex[:16]}"
         head = np.zeros(SLOT_WORDS, dtype="<u8")
         head[[W_OWNER, W_BEAT, W_PIDNS]] = (self.instance, now_ms(), pid_namespace())
@@ -123,7 +125,8 @@ class ProducerArena:
             raise
         finally:
             os.close(fd)
-        pin_map(mm)
+        if pin:
+            pin_map(mm)
         return Segment(name, capacity, mm)
 
     def published(self, seg: Segment, pooled: bool, index_name: str) -> None:

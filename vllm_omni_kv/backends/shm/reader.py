@@ -18,12 +18,10 @@ from its heartbeat (:func:`~vllm_omni_kv.backends.shm.liveness.owner_alive`).
 
 from __future__ import annotations
 
-import mmap
 import os
 import threading
 import time
 import weakref
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,9 +29,9 @@ import msgpack
 import numpy as np
 
 from vllm_omni_kv.backends.shm import arena
+from vllm_omni_kv.backends.shm.consumer_maps import ConsumerMaps
 from vllm_omni_kv.backends.shm.liveness import (
     HEARTBEAT_S,
-    STALE_S,
     W_READER,
     lease_word,
     now_ms,
@@ -43,59 +41,6 @@ from vllm_omni_kv.errors import KVPayloadError, KVTransferError, KVTransferTimeo
 from vllm_omni_kv.wire import codec
 from vllm_omni_kv.wire.digests import verify_head
 from vllm_omni_kv.wire.stream import ChunkedStream, CompleteStream, PayloadStream, check_cancel
-
-
-class ConsumerMaps:
-    """Mappings of producer segments a consumer has read from, cached by name."""
-
-    def __init__(self, max_maps: int = 64, stale_s: float = STALE_S) -> None:
-        self._maps: OrderedDict[str, mmap.mmap] = OrderedDict()
-        self._lock = threading.Lock()
-        self.max_maps = max_maps
-        self.stale_s = stale_s  # a producer heartbeat older than this is dead
-
-    def get(self, name: str) -> mmap.mmap:
-        with self._lock:
-            mm = self._maps.get(name)
-            if mm is not None:
-                self._maps.move_to_end(name)
-                return mm
-        fd = os.open(arena.path(name), os.O_RDWR | os.O_NOFOLLOW)
-        try:
-            st = os.fstat(fd)
-            if st.st_uid != os.getuid():
-                raise KVTransferError(
-                    f"segment {name} belongs to uid {st.st_uid}, not to this process's uid "
-                    f"{os.getuid()}: producer and consumer must run as the same user"
-                )
-            mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED | arena.POPULATE)
-        finally:
-            os.close(fd)
-        arena.pin_map(mm)  # copies into a GPU cache run by DMA, on the load's stream
-        with self._lock:
-            raced = self._maps.get(name)
-            if raced is None:
-                self._maps[name] = mm
-        if raced is not None:  # another thread mapped it meanwhile: keep one mapping
-            arena.close_map(mm)
-            return raced
-        with self._lock:
-            while len(self._maps) > self.max_maps:
-                _n, old = self._maps.popitem(last=False)
-                arena.close_map(old)
-        return mm
-
-    def drop(self, name: str) -> None:
-        with self._lock:
-            mm = self._maps.pop(name, None)
-        if mm is not None:
-            arena.close_map(mm)
-
-    def close(self) -> None:
-        with self._lock:
-            maps, self._maps = list(self._maps.values()), OrderedDict()
-        for mm in maps:
-            arena.close_map(mm)
 
 
 class ReaderLeases:
@@ -201,9 +146,10 @@ def parse_ref(entry: bytes) -> Ref | None:
 
 
 def map_segment(ref: Ref, maps: ConsumerMaps) -> arena.Segment:
-    """The segment ``ref`` points to, checked to hold its generation."""
+    """The segment ``ref`` points to, checked to hold its generation; its mapping is in
+    use until ``maps.release(seg.mm)`` (:func:`release_claimed` does it)."""
     try:
-        mm = maps.get(ref.seg)
+        mm = maps.acquire(ref.seg, pin=ref.pooled)
     except FileNotFoundError:
         raise KVTransferError(
             f"segment {ref.seg} vanished before it was read (its producer exited or was killed)"
@@ -211,6 +157,7 @@ def map_segment(ref: Ref, maps: ConsumerMaps) -> arena.Segment:
     seg = arena.Segment(ref.seg, len(mm) - arena.DATA_OFFSET, mm)
     state, seg_gen = seg.state()
     if seg_gen != ref.gen or state == arena.FREE or ref.size > seg.capacity:
+        maps.release(mm)
         raise KVPayloadError(
             f"segment {ref.seg} does not hold the indexed payload (generation {seg_gen}, "
             f"expected {ref.gen}): it was overwritten or the producer restarted"
@@ -227,8 +174,11 @@ def entry_complete(entry: bytes, maps: ConsumerMaps) -> bool:
         seg = map_segment(ref, maps)
     except (KVPayloadError, KVTransferError):
         return True  # claiming it reports the error
-    streaming = seg.state()[0] == arena.STREAMING
-    return not streaming or not producer_alive(seg, ref, maps)  # dead writer: claim, report
+    try:
+        streaming = seg.state()[0] == arena.STREAMING
+        return not streaming or not producer_alive(seg, ref, maps)  # dead writer: claim, report
+    finally:
+        maps.release(seg.mm)
 
 
 def read_entry(entry: bytes, maps: ConsumerMaps, verify: bool = True) -> tuple[Any, int]:
@@ -269,7 +219,8 @@ def release_claimed(
     ``dead[0]`` true (a stream saw its writer exit) always abandons: a writer that
     only looked dead frees it itself, and sweeping removes a dead one's files.
     Leaves it alone once it no longer holds ``ref``'s generation in a claimed
-    state (someone else released it, or its producer reserved it again).
+    state (someone else released it, or its producer reserved it again). Ends the
+    reader's use of the mapping (:meth:`ConsumerMaps.release`).
     """
     LEASES.drop(seg, ref.gen)
     try:
@@ -282,6 +233,8 @@ def release_claimed(
             _give_back(seg, ref.pooled, maps)
     except (ValueError, OSError):  # mapping already closed at interpreter exit
         pass
+    finally:
+        maps.release(seg.mm)
 
 
 def _give_back(seg: arena.Segment, pooled: bool, maps: ConsumerMaps) -> None:
@@ -415,5 +368,6 @@ def open_entry_stream(entry: bytes, maps: ConsumerMaps, verify: bool) -> Payload
         )
     seg = map_segment(ref, maps)
     if not ref.stream and seg.state()[0] not in (arena.PUBLISHED, arena.ONESHOT):
+        maps.release(seg.mm)  # read_entry maps it again
         return CompleteStream(*read_entry(entry, maps, verify=verify))  # reports why
     return ShmFrameStream(seg, ref, maps, verify)

@@ -1,0 +1,186 @@
+"""Which shared-memory mappings are registered with CUDA, and when they are unregistered
+(issue 24, item 7).
+
+Registering (``cudaHostRegister``) costs milliseconds to hundreds of milliseconds per GB
+and runs on the engine thread, so only pooled segments (mapped for the process's life)
+are registered, once; a one-shot segment (read once, then unlinked) is not, on either
+side. A consumer's mapping evicted or dropped while a load thread still copies out of it
+is unregistered and unmapped only once that load is done.
+
+On the host, registration is observed through the arena's registration hook (``CUDA in
+use`` forced on, registrations recorded); the ``gpu`` tests check real registrations.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from vllm_omni_kv.backends.factory import OmniConnectorFactory
+from vllm_omni_kv.backends.shm import arena
+from vllm_omni_kv.backends.shm.consumer_maps import ConsumerMaps
+from vllm_omni_kv.backends.shm.producer import ProducerArena
+from vllm_omni_kv.backends.spec import ConnectorSpec
+
+
+class _Pin:
+    def __init__(self, log: list[tuple[str, int]], ptr: int, nbytes: int) -> None:
+        self.log, self.ptr, self.nbytes = log, ptr, nbytes
+        log.append(("register", ptr))
+
+    def release(self) -> None:
+        self.log.append(("unregister", self.ptr))
+
+
+@pytest.fixture
+def pins(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
+    """Registrations and unregistrations, by address, as a CUDA process would make them."""
+    log: list[tuple[str, int]] = []
+    monkeypatch.setattr(arena, "cuda_in_use", lambda: True)
+    monkeypatch.setattr(arena, "register_host", lambda ptr, n: _Pin(log, ptr, n))
+    return log
+
+
+@pytest.fixture
+def ns() -> Iterator[str]:
+    name = f"pytest-pin-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    yield name
+    for f in arena.namespace_files(name):
+        arena.unlink_quiet(f)
+
+
+def _address(mm: Any) -> int:
+    return torch.frombuffer(arena.exported(mm), dtype=torch.uint8).data_ptr()
+
+
+def test_pooled_segments_are_registered_once_and_one_shots_never(
+    ns: str, pins: list[tuple[str, int]]
+) -> None:
+    pa = ProducerArena(2 << 20, namespace=ns)
+    try:
+        seg, pooled = pa.acquire(1 << 20)
+        assert pooled and pins == [("register", _address(seg.mm))]
+        pa.release_unpublished(seg, pooled)
+        again, pooled = pa.acquire(1 << 20)  # reused: registered already
+        assert again is seg and pooled and len(pins) == 1
+        shot, pooled = pa.acquire(3 << 20)  # beyond the pool: a one-shot segment
+        assert not pooled
+        assert len(pins) == 1, "a one-shot segment was registered"
+        pa.release_unpublished(shot, pooled)
+        pa.release_unpublished(again, True)
+    finally:
+        pa.close()
+    assert pins[-1] == ("unregister", pins[0][1])  # unregistered before it was unmapped
+
+
+def test_a_consumer_registers_pooled_segments_once_and_one_shots_never(
+    ns: str, pins: list[tuple[str, int]]
+) -> None:
+    """Through the shm backend: a payload in a pooled segment read twice (one registration
+    on each side), one in a one-shot segment (none)."""
+    spec = ConnectorSpec("shm", {"namespace": ns, "pool_max_bytes": 4 << 20})
+    prod = OmniConnectorFactory.create_connector(spec)
+    cons = OmniConnectorFactory.create_connector(spec)
+    try:
+        small, big = torch.ones(1 << 18), torch.ones(3 << 18)  # 1 MiB, 3 MiB
+        for i, t in enumerate((small, small, big)):
+            prod.put("p", "d", f"k{i}", {"t": t})
+            got = cons.get("p", "d", f"k{i}")
+            assert got is not None and torch.equal(got[0]["t"], t)
+            del got
+        registered = [p for kind, p in pins if kind == "register"]
+        assert len(registered) == 2, f"{len(registered)} registrations for one pooled segment"
+    finally:
+        cons.close()
+        prod.close()
+
+
+def test_a_mapping_in_use_is_unregistered_only_once_its_reader_is_done(
+    ns: str, pins: list[tuple[str, int]]
+) -> None:
+    pa = ProducerArena(64 << 20, namespace=ns)
+    maps = ConsumerMaps(max_maps=1)
+    try:
+        segs = [pa.acquire(1 << 20)[0] for _ in range(3)]
+        del pins[:]  # the producer's own registrations
+        a = maps.acquire(segs[0].name)
+        b = maps.acquire(segs[1].name)  # evicts a (one mapping cached) while a is read
+        assert ("unregister", _address(a)) not in pins and not a.closed
+        assert maps.in_use() == 2
+        maps.release(a)  # its reader is done: now it goes
+        assert ("unregister", _address(b)) not in pins
+        assert a.closed and pins[-1][0] == "unregister"
+        c = maps.acquire(segs[2].name, pin=False)  # a one-shot segment: not registered
+        assert len([p for k, p in pins if k == "register"]) == 2
+        assert not b.closed  # evicted by c while in use: stays
+        maps.release(b)
+        assert b.closed
+        maps.release(c)
+        assert not c.closed  # cached until dropped
+        maps.drop(segs[2].name)  # unlinked by its reader
+        assert c.closed
+    finally:
+        maps.close()
+        pa.close()
+    registered = {p for kind, p in pins if kind == "register"}  # the consumer's
+    assert registered <= {p for kind, p in pins if kind == "unregister"}
+
+
+# -- on a CUDA device ------------------------------------------------------------------------
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_one_shot_segments_are_not_pinned_and_pooled_ones_are_once(ns: str) -> None:
+    """Real registrations: a pooled segment's memory is pinned (and reused without
+    registering again), a one-shot segment's is not."""
+    torch.zeros(1, device="cuda")  # CUDA in use, as in a GPU worker
+    pa = ProducerArena(8 << 20, namespace=ns)
+    try:
+        seg, pooled = pa.acquire(4 << 20)
+        assert pooled and id(seg.mm) in arena._pins
+        assert torch.frombuffer(arena.exported(seg.mm), dtype=torch.uint8).is_pinned()
+        pa.release_unpublished(seg, pooled)
+        again, pooled = pa.acquire(4 << 20)
+        assert again is seg and len(arena._pins) == 1
+        shot, pooled = pa.acquire(12 << 20)
+        assert not pooled and id(shot.mm) not in arena._pins
+        assert not torch.frombuffer(arena.exported(shot.mm), dtype=torch.uint8).is_pinned()
+        pa.release_unpublished(shot, pooled)
+        pa.release_unpublished(again, True)
+    finally:
+        pa.close()
+    assert not arena._pins
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_a_mapping_stays_pinned_while_a_copy_reads_it(ns: str) -> None:
+    """A consumer mapping evicted while a load copies out of it by DMA stays registered
+    until the load is done; the copy's bytes are the segment's."""
+    torch.zeros(1, device="cuda")
+    pa = ProducerArena(16 << 20, namespace=ns)
+    maps = ConsumerMaps(max_maps=1)
+    try:
+        a_seg, b_seg = pa.acquire(4 << 20)[0], pa.acquire(4 << 20)[0]
+        src = torch.frombuffer(arena.exported(a_seg.mm), dtype=torch.uint8)
+        src.copy_(torch.randint(0, 255, src.shape, dtype=torch.uint8))
+        a = maps.acquire(a_seg.name)
+        view = torch.frombuffer(arena.exported(a), dtype=torch.uint8)
+        dst = torch.empty(view.shape, dtype=torch.uint8, device="cuda")
+        torch.cuda._sleep(100_000_000)
+        dst.copy_(view, non_blocking=True)  # queued behind the sleep, reading the mapping
+        maps.acquire(b_seg.name)  # evicts a while the copy is queued
+        assert view.is_pinned(), "the mapping was unregistered under a queued copy"
+        torch.cuda.synchronize()
+        maps.release(a)
+        assert torch.equal(dst.cpu(), src)
+    finally:
+        maps.close()
+        pa.close()
