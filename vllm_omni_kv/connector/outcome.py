@@ -57,12 +57,12 @@ def report(out: Outcome, stats: OmniKVConnectorStats, invalid_blocks: set[int]) 
     else:
         invalid_blocks.update(out.block_ids)
         logger.warning(
-            "OmniKVConnector: KV load of request %s failed after %.2fs: %s; its %d blocks "
-            "are reported invalid (kv_load_failure_policy decides: recompute or fail)",
+            "OmniKVConnector: KV load of request %s failed after %.2fs: %s; %s reported "
+            "failed (kv_load_failure_policy decides: recompute or fail)",
             out.req_id,
             out.seconds,
             out.error,
-            len(out.block_ids),
+            f"its {len(out.block_ids)} blocks are" if out.block_ids else "the request is",
         )
     return {
         "ok": out.ok,

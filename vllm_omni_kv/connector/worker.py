@@ -37,6 +37,7 @@ from vllm_omni_kv.connector.compat import COMPAT_KEY, engine_compat
 from vllm_omni_kv.connector.config import OmniKVConfig
 from vllm_omni_kv.connector.engine_layout import EngineLayout, engine_layout
 from vllm_omni_kv.connector.handoff import ProducerHandoffs
+from vllm_omni_kv.connector.kv_groups import LayerGroups, group_layers, payload_tables
 from vllm_omni_kv.connector.loads import LoadRunner
 from vllm_omni_kv.connector.metadata import (
     LoadSpec,
@@ -95,6 +96,7 @@ class OmniKVWorker:
         self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config
         self.engine = engine
+        self.groups = LayerGroups.of(kv_cache_config)  # hybrid KV cache manager groups
         self.block_size = int(vllm_config.cache_config.block_size)
         self.compat = engine_compat(vllm_config)
         self.tp_rank = get_local_tp_rank()
@@ -120,6 +122,7 @@ class OmniKVWorker:
         self._inflight: dict[str, tuple[Future[_Outcome], threading.Event]] = {}
         self._outcomes: list[_Outcome] = []
         self._invalid_blocks: set[int] = set()
+        self._failed_recving: set[str] = set()  # failed loads of a hybrid model
         self._worker_meta: dict[str, dict[str, Any]] = {}
         # producer: every payload published, its lease and hold, until vLLM may free it
         self._handoffs = ProducerHandoffs(self.session, cfg.send_ttl) if self.is_producer else None
@@ -163,13 +166,19 @@ class OmniKVWorker:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self.engine is None:
             self.engine = engine_layout(self.vllm_config, self.kv_cache_config)
-        self.layers = layer_caches(kv_caches, self.engine)
+        self.layers = group_layers(layer_caches(kv_caches, self.engine), self.groups)
         fmt = self.cfg.transfer_format
         self.paged_blocks = fmt != "token_major" and self.target_tp_size == self.tp_size
         if fmt == "paged_blocks" and not self.paged_blocks:
             raise ConfigError(
                 "kv_connector_extra_config.transfer_format 'paged_blocks' needs equal producer "
                 "and consumer TP sizes; use 'auto'"
+            )
+        if not self.paged_blocks and self.groups.hybrid:
+            raise ConfigError(
+                "this model has several KV cache groups (hybrid KV cache manager), which "
+                "OmniKVConnector moves as paged blocks only: use equal producer and consumer "
+                "TP sizes and transfer_format 'auto', or --disable-hybrid-kv-cache-manager"
             )
         if not self.paged_blocks and any(x.kv is None for x in self.layers):
             raise ConfigError(
@@ -213,6 +222,8 @@ class OmniKVWorker:
         assert region is not None
         caches = [x.cache for x in self.layers]
         why = region.unavailable_reason
+        if why is None and self.groups.hybrid:
+            why = "the model has several KV cache groups (a payload names one block table)"
         if why is None and not self.paged_blocks:
             why = "producer and consumer TP sizes differ (token-major payloads)"
         if why is None and region.context_entered() is False:
@@ -252,6 +263,7 @@ class OmniKVWorker:
                 layout=ident,
                 metadata=md,
                 stager=self._stager,
+                **payload_tables(spec, self.layers, self.block_size),
             )
             return data, ident.page_bytes
         data = extract_request_kv(
@@ -394,7 +406,16 @@ class OmniKVWorker:
         return sending, recving
 
     def _report(self, out: _Outcome) -> None:
+        if self.groups.hybrid and not out.ok:  # vLLM maps no block ids of several groups
+            self._failed_recving.add(out.req_id)
+            out.block_ids = []
         self._worker_meta[out.req_id] = report(out, self.stats, self._invalid_blocks)
+
+    def take_failed_recving(self) -> set[str]:
+        """Requests whose load failed, for vLLM's ``failed_recving`` (several KV cache
+        groups; a single-group model reports the failed blocks instead)."""
+        out, self._failed_recving = self._failed_recving, set()
+        return out
 
     def take_invalid_block_ids(self) -> set[int]:
         out, self._invalid_blocks = self._invalid_blocks, set()
