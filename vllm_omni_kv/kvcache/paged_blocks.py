@@ -376,9 +376,20 @@ def inject_request_blocks(
     *,
     first_block: int = 0,
     layout: LayoutArg = None,
+    layer_ids: Sequence[Sequence[int]] | None = None,
+    layer_first: Sequence[int] | None = None,
 ) -> int:
-    """Write a complete paged-blocks payload into blocks ``block_ids``; return its token count."""
-    plan = plan_block_injection(data, kv_caches, block_ids, first_block=first_block, layout=layout)
+    """Write a complete paged-blocks payload into blocks ``block_ids`` (per layer: as
+    :func:`plan_block_injection` says); return its token count."""
+    plan = plan_block_injection(
+        data,
+        kv_caches,
+        block_ids,
+        first_block=first_block,
+        layout=layout,
+        layer_ids=layer_ids,
+        layer_first=layer_first,
+    )
     for c in plan.copies:
         plan.write(c)
     return plan.tokens
@@ -387,6 +398,11 @@ def inject_request_blocks(
 def blocks_to_tokens(data: dict[str, Any]) -> dict[str, Any]:
     """Convert a paged-blocks payload to the token-major format (``[num_tokens, heads, dim]``)."""
     meta, ident, layers = _block_layers(data)
+    if any(payload_first_blocks(data["metadata"], meta.num_layers, meta.num_blocks)):
+        raise KVPayloadError(
+            "a payload whose layers hold different blocks (several KV cache groups) has no "
+            "token-major form: run producer and consumer with the same TP size"
+        )
     if ident.packing == "latent":
         raise KVPayloadError(
             "an MLA latent payload has no K/V to merge or slice across TP sizes: run "
