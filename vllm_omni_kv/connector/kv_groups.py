@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from vllm_omni_kv.errors import KVPayloadError
+from vllm_omni_kv.errors import ConfigError, KVPayloadError
 from vllm_omni_kv.kvcache.layer_windows import NULL_BLOCK, kept_from
 from vllm_omni_kv.kvcache.paged_blocks import BlocksPlan, is_block_payload, plan_block_injection
 from vllm_omni_kv.transfer.parts import part_info, part_layer_count
@@ -103,6 +103,20 @@ class LayerGroups:
     @property
     def hybrid(self) -> bool:
         return self.num_groups > 1
+
+    @property
+    def one_copy_refusal(self) -> str | None:
+        """Why the one-copy modes cannot name this model's pages (None: they can)."""
+        return "the model has several KV cache groups" if self.hybrid else None
+
+    def check_format(self, paged_blocks: bool) -> None:
+        """``ConfigError`` for a hybrid model whose payloads would be token-major."""
+        if self.hybrid and not paged_blocks:
+            raise ConfigError(
+                "this model has several KV cache groups (hybrid KV cache manager), which "
+                "OmniKVConnector moves as paged blocks only: use equal producer and consumer "
+                "TP sizes and transfer_format 'auto', or --disable-hybrid-kv-cache-manager"
+            )
 
     def group(self, layer_name: str) -> int:
         """The transfer group of ``layer_name`` (0 for a model with one group)."""

@@ -121,8 +121,7 @@ class OmniKVWorker:
         )
         self._inflight: dict[str, tuple[Future[_Outcome], threading.Event]] = {}
         self._outcomes: list[_Outcome] = []
-        self._invalid_blocks: set[int] = set()
-        self._failed_recving: set[str] = set()  # failed loads of a hybrid model
+        self._invalid_blocks, self._failed_recving = set[int](), set[str]()  # failed loads
         self._worker_meta: dict[str, dict[str, Any]] = {}
         # producer: every payload published, its lease and hold, until vLLM may free it
         self._handoffs = ProducerHandoffs(self.session, cfg.send_ttl) if self.is_producer else None
@@ -174,12 +173,7 @@ class OmniKVWorker:
                 "kv_connector_extra_config.transfer_format 'paged_blocks' needs equal producer "
                 "and consumer TP sizes; use 'auto'"
             )
-        if not self.paged_blocks and self.groups.hybrid:
-            raise ConfigError(
-                "this model has several KV cache groups (hybrid KV cache manager), which "
-                "OmniKVConnector moves as paged blocks only: use equal producer and consumer "
-                "TP sizes and transfer_format 'auto', or --disable-hybrid-kv-cache-manager"
-            )
+        self.groups.check_format(self.paged_blocks)
         if not self.paged_blocks and any(x.kv is None for x in self.layers):
             raise ConfigError(
                 f"this engine's KV cache ({self.layers[0].ident.describe()}) has no per-token "
@@ -221,9 +215,7 @@ class OmniKVWorker:
         region = self._region
         assert region is not None
         caches = [x.cache for x in self.layers]
-        why = region.unavailable_reason
-        if why is None and self.groups.hybrid:
-            why = "the model has several KV cache groups (a payload names one block table)"
+        why = region.unavailable_reason or self.groups.one_copy_refusal
         if why is None and not self.paged_blocks:
             why = "producer and consumer TP sizes differ (token-major payloads)"
         if why is None and region.context_entered() is False:
@@ -406,14 +398,11 @@ class OmniKVWorker:
         return sending, recving
 
     def _report(self, out: _Outcome) -> None:
-        if self.groups.hybrid and not out.ok:  # vLLM maps no block ids of several groups
-            self._failed_recving.add(out.req_id)
-            out.block_ids = []
-        self._worker_meta[out.req_id] = report(out, self.stats, self._invalid_blocks)
+        failed = self._failed_recving if self.groups.hybrid else None
+        self._worker_meta[out.req_id] = report(out, self.stats, self._invalid_blocks, failed)
 
     def take_failed_recving(self) -> set[str]:
-        """Requests whose load failed, for vLLM's ``failed_recving`` (several KV cache
-        groups; a single-group model reports the failed blocks instead)."""
+        """Failed loads of a model with several KV cache groups (vLLM's failed_recving)."""
         out, self._failed_recving = self._failed_recving, set()
         return out
 

@@ -74,3 +74,14 @@ def payload_first_blocks(md: dict[str, Any], num_layers: int, needed: int) -> li
             f"[0, {needed}) per layer ({num_layers})"
         )
     return list(raw)
+
+
+def check_window(layer: int, start: int, sent: int, needed: int, table: int) -> None:
+    """``KVPayloadError`` unless a layer that needs blocks ``[start, needed)`` through a
+    table of ``table`` blocks gets them from a payload holding blocks ``[sent, needed)``."""
+    if start < sent or table < needed:
+        raise KVPayloadError(
+            f"layer {layer}: this cache needs its blocks from {start} of {needed}, the payload "
+            f"holds them from {sent}: producer and consumer keep different windows "
+            "(serve the same model with the same KV cache manager settings)"
+        )

@@ -39,6 +39,7 @@ from vllm_omni_kv.kvcache.cache_layout import (
 )
 from vllm_omni_kv.kvcache.device_staging import DeviceStager
 from vllm_omni_kv.kvcache.layer_windows import (
+    check_window,
     first_blocks_field,
     layer_windows,
     payload_first_blocks,
@@ -297,6 +298,20 @@ def convert_pages(
         bits(d).index_copy_(0, idx, tokens)
 
 
+def _target_identity(cache: torch.Tensor, layout: LayoutArg, src_id: KVLayoutId) -> KVLayoutId:
+    """The local cache's identity; ``KVPayloadError`` when ``src_id`` pages cannot be
+    written into it losslessly."""
+    dst_id = resolve_identity(cache, layout)
+    why = dst_id.conversion_refusal(src_id)
+    if why is not None:
+        raise KVPayloadError(
+            f"the payload's KV ({src_id.describe()}) cannot be written into this cache "
+            f"({dst_id.describe()}): {why}; producer and consumer need the same model, "
+            "dtype, block size and TP"
+        )
+    return dst_id
+
+
 def plan_block_injection(
     data: dict[str, Any],
     kv_caches: Sequence[torch.Tensor | None],
@@ -326,14 +341,7 @@ def plan_block_injection(
     first_cache = next((c for c in kv_caches if c is not None), None)
     if first_cache is None:
         return BlocksPlan(meta.num_tokens, [], src_id, src_id)
-    dst_id = resolve_identity(first_cache, layout)
-    why = dst_id.conversion_refusal(src_id)
-    if why is not None:
-        raise KVPayloadError(
-            f"the payload's KV ({src_id.describe()}) cannot be written into this cache "
-            f"({dst_id.describe()}): {why}; producer and consumer need the same model, "
-            "dtype, block size and TP"
-        )
+    dst_id = _target_identity(first_cache, layout, src_id)
     needed = meta.num_blocks
     if len(block_ids) < needed and layer_ids is None:
         raise KVPayloadError(
@@ -357,12 +365,7 @@ def plan_block_injection(
                 f"layer {i}: payload pages {tuple(src.shape)} do not match its layout "
                 f"identity ({src_id.describe()}: {want})"
             )
-        if start < sent[i] or len(ids) < needed:
-            raise KVPayloadError(
-                f"layer {i}: this cache needs its blocks from {start} of {needed}, the payload "
-                f"holds them from {sent[i]}: producer and consumer keep different windows "
-                "(serve the same model with the same KV cache manager settings)"
-            )
+        check_window(i, start, sent[i], needed, len(ids))
         check_view(cache, dst_id, f"local layer {i}")
         if start < needed:
             copies.append(_Copy(src[start - sent[i] :], cache, ids[start:]))
