@@ -8,11 +8,11 @@ LAYERS, HEADS, BS, DIM, NBLOCKS = 3, 4, 32, 64, 12
 
 
 def cpu_layout_cache(
-    layer: int, heads: int = HEADS, seed: int = 0, dtype=torch.bfloat16
+    layer: int, heads: int = HEADS, seed: int = 0, dtype=torch.bfloat16, nblocks: int = NBLOCKS
 ) -> torch.Tensor:
     """A vLLM 0.32 CPU-backend cache: [num_blocks, heads, block_size, 2*head_dim]."""
     g = torch.Generator().manual_seed(seed * 1000 + layer)
-    return torch.randn(NBLOCKS, heads, BS, 2 * DIM, generator=g).to(dtype)
+    return torch.randn(nblocks, heads, BS, 2 * DIM, generator=g).to(dtype)
 
 
 def reference_kv(

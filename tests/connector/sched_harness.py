@@ -9,6 +9,12 @@ nothing: the caches start random, so after a transfer the consumer's blocks must
 exactly the producer's bytes (compared token by token with the independent extraction
 of ``_kv_fixtures.reference_kv``). Transfers use the real shm backend in their own
 namespace. Start-up is about a second after the first (vLLM's imports).
+
+``hybrid=True`` builds a tiny Gemma 3-shaped cache instead, as vLLM's hybrid KV cache
+manager lays it out: layers 0 and 2 attend to a sliding window of ``WINDOW`` tokens
+(KV cache group 0), layers 1 and 3 to every token (group 1); the layers of the two
+groups alias one tensor each (layers 0 and 1, layers 2 and 3), over a shared pool of
+``HYBRID_BLOCKS`` blocks.
 """
 
 from __future__ import annotations
@@ -36,7 +42,12 @@ from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+)
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
@@ -45,10 +56,34 @@ from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunne
 from vllm_omni_kv.connector.omni_kv_connector import OmniKVConnector
 
 TOKEN = 7  # what the emulated model samples
-MAX_LEN = NBLOCKS * BS
+WINDOW = 64  # the hybrid cache's sliding window (tokens)
+HYBRID_BLOCKS = 40
+HYBRID_LAYERS = 4
+#: the hybrid cache's layers: KV cache group 0 (sliding window), group 1 (full)
+SLIDING, FULL = (0, 2), (1, 3)
 
 
-def _config(model_dir: Path, role: str, ns: str, extra: dict[str, Any]) -> VllmConfig:
+def _name(i: int) -> str:
+    return f"model.layers.{i}.self_attn.attn"
+
+
+def kv_cache_config(hybrid: bool) -> KVCacheConfig:
+    """One full-attention group of ``LAYERS`` layers, or the hybrid groups."""
+    kw: dict[str, Any] = dict(block_size=BS, num_kv_heads=HEADS, head_size=DIM,
+                              dtype=torch.bfloat16)  # fmt: skip
+    if not hybrid:
+        group = KVCacheGroupSpec([_name(i) for i in range(LAYERS)], FullAttentionSpec(**kw))
+        return KVCacheConfig(num_blocks=NBLOCKS, kv_cache_tensors=[], kv_cache_groups=[group])
+    groups = [
+        KVCacheGroupSpec(
+            [_name(i) for i in SLIDING], SlidingWindowSpec(**kw, sliding_window=WINDOW)
+        ),
+        KVCacheGroupSpec([_name(i) for i in FULL], FullAttentionSpec(**kw)),
+    ]
+    return KVCacheConfig(num_blocks=HYBRID_BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def _config(model_dir: Path, role: str, ns: str, extra: dict[str, Any], nblocks: int) -> VllmConfig:
     ktc = KVTransferConfig(
         kv_connector="OmniKVConnector",
         kv_connector_module_path="vllm_omni_kv.connector.omni_kv_connector",
@@ -62,11 +97,12 @@ def _config(model_dir: Path, role: str, ns: str, extra: dict[str, Any]) -> VllmC
             **extra,
         },
     )
-    mc = ModelConfig(model=str(model_dir), max_model_len=MAX_LEN, skip_tokenizer_init=True)
+    max_len = nblocks * BS
+    mc = ModelConfig(model=str(model_dir), max_model_len=max_len, skip_tokenizer_init=True)
     sc = SchedulerConfig(
         max_num_seqs=8,
-        max_num_batched_tokens=MAX_LEN,
-        max_model_len=MAX_LEN,
+        max_num_batched_tokens=max_len,
+        max_model_len=max_len,
         is_encoder_decoder=False,
     )
     cfg = VllmConfig(
@@ -75,7 +111,7 @@ def _config(model_dir: Path, role: str, ns: str, extra: dict[str, Any]) -> VllmC
         cache_config=CacheConfig(block_size=BS, enable_prefix_caching=True),
         kv_transfer_config=ktc,
     )
-    cfg.cache_config.num_gpu_blocks = NBLOCKS
+    cfg.cache_config.num_gpu_blocks = nblocks
     return cfg
 
 
@@ -93,16 +129,18 @@ def _agent(connector: OmniKVConnector) -> Iterator[None]:
 class Engine:
     """One engine: vLLM's scheduler and the connector's worker half over host caches."""
 
-    def __init__(self, model_dir: Path, role: str, ns: str, seed: int, **extra: Any) -> None:
-        self.config = _config(model_dir, role, ns, extra)
-        spec = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=DIM,
-                                 dtype=torch.bfloat16)  # fmt: skip
-        names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
-        kv_config = KVCacheConfig(
-            num_blocks=NBLOCKS,
-            kv_cache_tensors=[],
-            kv_cache_groups=[KVCacheGroupSpec(names, spec)],
-        )
+    def __init__(
+        self, model_dir: Path, role: str, ns: str, seed: int, hybrid: bool = False, **extra: Any
+    ) -> None:
+        kv_config = kv_cache_config(hybrid)
+        self.nblocks = kv_config.num_blocks
+        self.config = _config(model_dir, role, ns, extra, self.nblocks)
+        #: each layer's KV cache group, and the tensor it lives in
+        self.group = {n: g for g, grp in enumerate(kv_config.kv_cache_groups)
+                      for n in grp.layer_names}  # fmt: skip
+        n_layers = HYBRID_LAYERS if hybrid else LAYERS
+        names = [_name(i) for i in range(n_layers)]
+        tensor_of = [i // 2 if hybrid else i for i in range(n_layers)]  # hybrid: pairs alias
         self.sched = Scheduler(
             vllm_config=self.config,
             kv_cache_config=kv_config,
@@ -113,27 +151,33 @@ class Engine:
         hash_fn = get_hash_fn_by_name(self.config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)  # as vLLM's engine core does
         self.hasher = get_request_block_hasher(BS, hash_fn)
-        self.worker = OmniKVConnector(self.config, KVConnectorRole.WORKER)
-        self.caches = self._allocate(names, seed)
+        self.worker = OmniKVConnector(self.config, KVConnectorRole.WORKER, kv_config)
+        self.caches = self._allocate(names, tensor_of, seed)
         self.worker.register_kv_caches(self.caches)
         self.blocks: dict[str, list[int]] = {}  # each request's block table, last seen
+        self.tables: dict[str, list[list[int]]] = {}  # ... of every KV cache group
         self.finished: dict[str, dict[str, Any] | None] = {}  # kv_transfer_params out
         self.sent: set[str] = set()  # requests reported in finished_sending
+        self.reasons: dict[str, Any] = {}  # each finished request's FinishReason
 
-    def _allocate(self, names: list[str], seed: int) -> dict[str, torch.Tensor]:
-        srcs = [cpu_layout_cache(i, seed=seed) for i in range(LAYERS)]
+    def _allocate(
+        self, names: list[str], tensor_of: list[int], seed: int
+    ) -> dict[str, torch.Tensor]:
+        """Random caches; layer ``i`` is a view of tensor ``tensor_of[i]``."""
+        n = max(tensor_of) + 1
+        srcs = [cpu_layout_cache(i, seed=seed, nblocks=self.nblocks) for i in range(n)]
         pool = self.worker.get_mem_pool_context()
-        if pool is None:
-            return dict(zip(names, srcs, strict=True))
-        per = srcs[0].numel() * srcs[0].element_size()
-        with pool:  # as vLLM allocates the cache: one int8 tensor in the region
-            buf = torch.zeros(per * LAYERS, dtype=torch.int8)
-        views = [
-            buf[i * per : (i + 1) * per].view(s.dtype).view(s.shape) for i, s in enumerate(srcs)
-        ]
-        for v, s in zip(views, srcs, strict=True):
-            v.copy_(s)
-        return dict(zip(names, views, strict=True))
+        views = srcs
+        if pool is not None:
+            per = srcs[0].numel() * srcs[0].element_size()
+            with pool:  # as vLLM allocates the cache: one int8 tensor in the region
+                buf = torch.zeros(per * n, dtype=torch.int8)
+            views = [
+                buf[i * per : (i + 1) * per].view(s.dtype).view(s.shape) for i, s in enumerate(srcs)
+            ]
+            for v, s in zip(views, srcs, strict=True):
+                v.copy_(s)
+        return {name: views[t] for name, t in zip(names, tensor_of, strict=True)}
 
     def add(self, req_id: str, prompt: list[int], params: dict[str, Any]) -> Request:
         sp = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params})
@@ -145,7 +189,9 @@ class Engine:
         so = self.sched.schedule()
         for rid, req in self.sched.requests.items():
             if rid in so.num_scheduled_tokens or req.num_computed_tokens:
-                self.blocks[rid] = list(self.sched.kv_cache_manager.get_block_ids(rid)[0])
+                tables = self.sched.kv_cache_manager.get_block_ids(rid)
+                self.tables[rid] = [list(t) for t in tables]
+                self.blocks[rid] = self.tables[rid][0]
         with _agent(self.worker):
             if so.total_num_scheduled_tokens == 0:
                 out = KVConnectorModelRunnerMixin.kv_connector_no_forward(so, self.config)
@@ -159,6 +205,7 @@ class Engine:
             for o in eco.outputs:
                 if o.finish_reason is not None:
                     self.finished[o.request_id] = o.kv_transfer_params
+                    self.reasons[o.request_id] = o.finish_reason
         return so
 
     def _forward(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -189,12 +236,15 @@ class Engine:
             assert time.monotonic() < deadline, "the engine did not get there in time"
             self.step()
 
-    def kv(self, req_id: str, start: int, end: int) -> list[torch.Tensor]:
-        """K and V of tokens ``[start, end)`` of ``req_id`` in every layer."""
+    def kv(self, req_id: str, start: int, end: int, group: int | None = None) -> list[torch.Tensor]:
+        """K and V of tokens ``[start, end)`` of ``req_id`` in every layer (of ``group``),
+        read through the layer's group's block table."""
         got = []
-        for cache in self.caches.values():
-            k, v = reference_kv(cache, self.blocks[req_id], end)
-            got += [k[start:end], v[start:end]]
+        for name, cache in self.caches.items():
+            g = self.group[name]
+            if group is None or g == group:
+                k, v = reference_kv(cache, self.tables[req_id][g], end)
+                got += [k[start:end], v[start:end]]
         return got
 
     def close(self) -> None:

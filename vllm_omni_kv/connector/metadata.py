@@ -32,13 +32,24 @@ def prompt_digest(token_ids: list[int] | None) -> str:
 
 @dataclass
 class SaveSpec:
-    """Producer: send the KV of the first ``num_tokens`` prompt tokens of a request."""
+    """Producer: send the KV of the first ``num_tokens`` prompt tokens of a request.
+
+    ``block_ids``: the first transfer group's blocks. ``group_block_ids``: with several
+    KV cache groups (vLLM's hybrid KV cache manager), every transfer group's blocks,
+    those the consumer does not keep (outside a window) as the null block 0; None for
+    a model with one group.
+    """
 
     req_id: str
     transfer_id: str
     block_ids: list[int]
     num_tokens: int
     prompt_digest: str
+    group_block_ids: list[list[int]] | None = None
+
+    def tables(self) -> list[list[int]]:
+        """Every transfer group's block table (one for a single-group model)."""
+        return self.group_block_ids if self.group_block_ids is not None else [self.block_ids]
 
 
 @dataclass
@@ -47,7 +58,9 @@ class LoadSpec:
 
     Tokens ``[num_local_tokens, num_local_tokens + num_load_tokens)`` of the
     prompt are written into ``block_ids[num_local_tokens // block_size:]``;
-    the first ``num_local_tokens`` are already cached locally.
+    the first ``num_local_tokens`` are already cached locally. With several KV cache
+    groups ``group_block_ids`` holds every transfer group's table as vLLM allocated it
+    (null blocks, id 0, where a group keeps nothing) and ``block_ids`` the first's.
     """
 
     req_id: str
@@ -60,6 +73,11 @@ class LoadSpec:
     source_tp_size: int | None = None
     remote_host: str | None = None
     remote_port: int | None = None
+    group_block_ids: list[list[int]] | None = None
+
+    def tables(self) -> list[list[int]]:
+        """Every transfer group's block table (one for a single-group model)."""
+        return self.group_block_ids if self.group_block_ids is not None else [self.block_ids]
 
 
 @dataclass

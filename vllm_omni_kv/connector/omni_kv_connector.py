@@ -26,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -56,8 +57,14 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 
-class OmniKVConnector(KVConnectorBase_V1):
-    """Prefill/decode KV transfer through shared memory, Mooncake TE or any omni backend."""
+class OmniKVConnector(KVConnectorBase_V1, SupportsHMA):
+    """Prefill/decode KV transfer through shared memory, Mooncake TE or any omni backend.
+
+    Supports vLLM's hybrid KV cache manager (``SupportsHMA``): with several KV cache
+    groups (sliding window + full attention) every group's blocks are moved, each
+    sliding-window group only the blocks still inside its window
+    (:mod:`vllm_omni_kv.connector.kv_groups`).
+    """
 
     # Every external hit is KV handed over by a peer stage: vLLM's
     # vllm:prompt_tokens_cached_by_source counts them under source="p2p".
@@ -78,7 +85,9 @@ class OmniKVConnector(KVConnectorBase_V1):
         self._sched: OmniKVScheduler | None = None
         self._worker: OmniKVWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._sched = OmniKVScheduler(vllm_config, self.omni_config, engine_id)
+            self._sched = OmniKVScheduler(
+                vllm_config, self.omni_config, engine_id, kv_cache_config=kv_cache_config
+            )
         else:
             self._worker = OmniKVWorker(
                 vllm_config, self.omni_config, engine_id, kv_cache_config=kv_cache_config
@@ -156,8 +165,14 @@ class OmniKVConnector(KVConnectorBase_V1):
         # failed_recving stays empty: a failed load reports its blocks in
         # get_block_ids_with_load_errors, so vLLM keeps the prompt's valid prefix (one
         # KV cache group) instead of recomputing the whole request.
+        # With several KV cache groups vLLM cannot map block ids back to requests: a failed
+        # load is reported in failed_recving instead (the request recomputes or fails).
         sending, recving = self.worker_half.get_transfer_results(finished_req_ids)
-        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving)
+        return KVConnectorTransferResults(
+            finished_sending=sending,
+            finished_recving=recving,
+            failed_recving=self.worker_half.take_failed_recving(),
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_half.take_invalid_block_ids()
@@ -212,7 +227,8 @@ class OmniKVConnector(KVConnectorBase_V1):
         self.scheduler_half.kv_cache_manager = kv_cache_manager
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
-        # A P/D transfer restores the request's own blocks in every transfer group.
+        # A P/D transfer restores the request's own blocks in every transfer group (a
+        # sliding-window group: the blocks inside its window, all vLLM keeps there).
         return tuple(self._kv_cache_config.transfer_group_ids)
 
     def on_new_request(self, request: Request) -> None:
@@ -240,5 +256,10 @@ class OmniKVConnector(KVConnectorBase_V1):
 
     def request_finished(
         self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler_half.request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler_half.request_finished(request, block_ids)

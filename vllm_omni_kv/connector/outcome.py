@@ -35,9 +35,16 @@ class Outcome:
         return "refused" if self.refused else "transport"
 
 
-def report(out: Outcome, stats: OmniKVConnectorStats, invalid_blocks: set[int]) -> dict[str, Any]:
-    """Record ``out`` in ``stats`` (a failed load's blocks in ``invalid_blocks``), log it,
-    and return the ``omni_kv_load`` entry the scheduler half receives."""
+def report(
+    out: Outcome,
+    stats: OmniKVConnectorStats,
+    invalid_blocks: set[int],
+    failed: set[str] | None = None,
+) -> dict[str, Any]:
+    """Record ``out`` in ``stats`` (a failed load's blocks in ``invalid_blocks``, or with
+    ``failed`` given, its request in ``failed``: vLLM maps no block ids of a model with
+    several KV cache groups), log it, and return the ``omni_kv_load`` entry the
+    scheduler half receives."""
     stats.record_recv(out.nbytes, out.seconds, out.tokens, out.ok, out.reason)
     if out.ok:
         logger.debug(
@@ -55,14 +62,17 @@ def report(out: Outcome, stats: OmniKVConnectorStats, invalid_blocks: set[int]) 
             out.error,
         )
     else:
+        if failed is not None:
+            failed.add(out.req_id)
+            out.block_ids = []
         invalid_blocks.update(out.block_ids)
         logger.warning(
-            "OmniKVConnector: KV load of request %s failed after %.2fs: %s; its %d blocks "
-            "are reported invalid (kv_load_failure_policy decides: recompute or fail)",
+            "OmniKVConnector: KV load of request %s failed after %.2fs: %s; %s reported "
+            "failed (kv_load_failure_policy decides: recompute or fail)",
             out.req_id,
             out.seconds,
             out.error,
-            len(out.block_ids),
+            f"its {len(out.block_ids)} blocks are" if out.block_ids else "the request is",
         )
     return {
         "ok": out.ok,

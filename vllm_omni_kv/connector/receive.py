@@ -21,6 +21,7 @@ import torch
 
 from vllm_omni_kv.connector.compat import COMPAT_KEY, CompatIdentity
 from vllm_omni_kv.connector.engine_layout import EngineLayout
+from vllm_omni_kv.connector.kv_groups import plan_groups
 from vllm_omni_kv.connector.metadata import LoadSpec
 from vllm_omni_kv.errors import ConfigError, KVPayloadError
 from vllm_omni_kv.kvcache.cache_layout import KVLayoutId, block_kv
@@ -52,6 +53,8 @@ class LayerCache:
     #: None where the layout cannot be viewed that way (MLA, or kernel blocks split a
     #: head-major block)
     kv: tuple[torch.Tensor, torch.Tensor] | None
+    #: the layer's transfer group (hybrid KV cache manager; 0 for a single-group model)
+    group: int = 0
 
 
 def layer_caches(kv_caches: dict[str, Any], engine: EngineLayout) -> list[LayerCache]:
@@ -161,6 +164,8 @@ def _plan(
     """The injection plan of one received payload (or layer-wise part) into ``layers``."""
     ident = layers[0].ident
     start = spec.num_local_tokens
+    if spec.group_block_ids is not None:
+        return plan_groups(part, layers, spec)
     if is_shared_payload(part):  # the pages are copied from the producer's cache
         caches: list[Any] = [x.cache for x in layers]
         return plan_injection(
@@ -215,6 +220,11 @@ def receive(
                     write += time.perf_counter() - t0
                     moved += stream.moved + (plan.moved if isinstance(plan, SharedPagesPlan) else 0)
             return Received(spec.num_load_tokens, moved, write)
+        if spec.group_block_ids is not None:
+            raise KVPayloadError(
+                "a model with several KV cache groups needs equal producer and consumer TP "
+                "sizes (or --disable-hybrid-kv-cache-manager on both)"
+            )
         payloads, moved = [], 0
         for key, endpoint in keys:
             obj, n = session.fetch(key, endpoint, deadline, cancel)

@@ -22,10 +22,17 @@ Protocol (NIXL's, so existing proxies and routers work unchanged):
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from vllm_omni_kv.connector.config import OmniKVConfig
 from vllm_omni_kv.connector.handoff import extend_every
+from vllm_omni_kv.connector.kv_groups import (
+    kept_blocks,
+    save_tables,
+    transfer_group_count,
+    transfer_tables,
+)
 from vllm_omni_kv.connector.metadata import (
     LoadSpec,
     OmniKVConnectorMetadata,
@@ -46,6 +53,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
@@ -58,12 +66,21 @@ LOCAL_HIT = {"ok": True, "tokens": 0, "bytes": 0, "seconds": 0.0, "error": "", "
 class OmniKVScheduler:
     """Bookkeeping in the scheduler process; no data moves here."""
 
-    def __init__(self, vllm_config: VllmConfig, cfg: OmniKVConfig, engine_id: str) -> None:
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        cfg: OmniKVConfig,
+        engine_id: str,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
         ktc = vllm_config.kv_transfer_config
         assert ktc is not None
         self.cfg = cfg
         self.engine_id = engine_id
         self.block_size = int(vllm_config.cache_config.block_size)
+        self.kv_cache_config = kv_cache_config
+        # several transfer groups (vLLM's hybrid KV cache manager): block ids per group
+        self.hybrid = transfer_group_count(kv_cache_config) > 1
         self.is_producer = bool(ktc.is_kv_producer)
         self.is_consumer = bool(ktc.is_kv_consumer)
         self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
@@ -168,11 +185,12 @@ class OmniKVScheduler:
             return
         num_prompt = int(request.num_prompt_tokens)
         if 0 < num_external_tokens <= num_prompt - local_prefix:
-            block_ids = list(blocks.get_block_ids()[0])
+            tables = transfer_tables(self.kv_cache_config, blocks.get_block_ids())
             spec = LoadSpec(
                 req_id=request.request_id,
                 transfer_id=remote.transfer_id,
-                block_ids=block_ids,
+                block_ids=tables[0],
+                group_block_ids=tables if self.hybrid else None,
                 num_local_tokens=local_prefix,
                 num_load_tokens=int(num_external_tokens),
                 num_prompt_tokens=num_prompt,
@@ -219,18 +237,30 @@ class OmniKVScheduler:
                 if groups is None:
                     logger.error("request %s: no block table to save its KV from", req_id)
                     continue
-                n_blocks = -(-n_prompt // self.block_size)
-                spec = SaveSpec(
-                    req_id=req_id,
-                    transfer_id=transfer_id(self.engine_id, req_id),
-                    block_ids=list(groups[0][:n_blocks]),
-                    num_tokens=n_prompt,
-                    prompt_digest=prompt_digest(request.prompt_token_ids),
-                )
+                spec = self._save_spec(request, groups)
                 meta.saves.append(spec)
                 self._saved[req_id] = (spec, request)
                 del self._to_save[req_id]
         return meta
+
+    def _save_spec(self, request: Request, groups: tuple[list[int], ...]) -> SaveSpec:
+        """The save of ``request``'s prompt from its blocks ``groups`` (one list per KV
+        cache group): with several groups, only the blocks each group's consumer keeps."""
+        n_prompt = int(request.num_prompt_tokens)
+        n_blocks = -(-n_prompt // self.block_size)
+        tables = None
+        if self.hybrid:
+            tables = save_tables(
+                self.kv_cache_config, self.kv_cache_manager, groups, n_prompt, self.block_size
+            )
+        return SaveSpec(
+            req_id=request.request_id,
+            transfer_id=transfer_id(self.engine_id, request.request_id),
+            block_ids=list(groups[0][:n_blocks]) if tables is None else tables[0],
+            num_tokens=n_prompt,
+            prompt_digest=prompt_digest(request.prompt_token_ids),
+            group_block_ids=tables,
+        )
 
     def _resave_preempted(
         self, scheduler_output: SchedulerOutput, meta: OmniKVConnectorMetadata
@@ -252,8 +282,10 @@ class OmniKVScheduler:
                     self._load_results[req_id] = res
 
     def request_finished(
-        self, request: Request, block_ids: list[int]
+        self, request: Request, block_ids: Sequence[Any] = ()
     ) -> tuple[bool, dict[str, Any] | None]:
+        """``block_ids``: the request's blocks (one list, or one per KV cache group); the
+        payload names the blocks saved, which vLLM holds until ``finished_sending``."""
         from vllm.v1.request import RequestStatus
 
         req_id = request.request_id
@@ -279,7 +311,8 @@ class OmniKVScheduler:
                 "remote_transfer_id": spec.transfer_id,
                 "remote_host": self.cfg.remote_host,
                 "remote_port": self.cfg.remote_port,
-                "remote_block_ids": spec.block_ids,
+                # per group (the blocks each keeps) with several groups, as vLLM's NIXL
+                "remote_block_ids": kept_blocks(spec.tables()) if self.hybrid else spec.block_ids,
                 "remote_num_tokens": spec.num_tokens,
                 "tp_size": self.tp_size,
                 "omni_from_stage": self.cfg.from_stage,

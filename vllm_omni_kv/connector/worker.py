@@ -37,6 +37,7 @@ from vllm_omni_kv.connector.compat import COMPAT_KEY, engine_compat
 from vllm_omni_kv.connector.config import OmniKVConfig
 from vllm_omni_kv.connector.engine_layout import EngineLayout, engine_layout
 from vllm_omni_kv.connector.handoff import ProducerHandoffs
+from vllm_omni_kv.connector.kv_groups import LayerGroups, group_layers, payload_tables
 from vllm_omni_kv.connector.loads import LoadRunner
 from vllm_omni_kv.connector.metadata import (
     LoadSpec,
@@ -95,6 +96,7 @@ class OmniKVWorker:
         self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config
         self.engine = engine
+        self.groups = LayerGroups.of(kv_cache_config)  # hybrid KV cache manager groups
         self.block_size = int(vllm_config.cache_config.block_size)
         self.compat = engine_compat(vllm_config)
         self.tp_rank = get_local_tp_rank()
@@ -119,7 +121,7 @@ class OmniKVWorker:
         )
         self._inflight: dict[str, tuple[Future[_Outcome], threading.Event]] = {}
         self._outcomes: list[_Outcome] = []
-        self._invalid_blocks: set[int] = set()
+        self._invalid_blocks, self._failed_recving = set[int](), set[str]()  # failed loads
         self._worker_meta: dict[str, dict[str, Any]] = {}
         # producer: every payload published, its lease and hold, until vLLM may free it
         self._handoffs = ProducerHandoffs(self.session, cfg.send_ttl) if self.is_producer else None
@@ -163,7 +165,7 @@ class OmniKVWorker:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self.engine is None:
             self.engine = engine_layout(self.vllm_config, self.kv_cache_config)
-        self.layers = layer_caches(kv_caches, self.engine)
+        self.layers = group_layers(layer_caches(kv_caches, self.engine), self.groups)
         fmt = self.cfg.transfer_format
         self.paged_blocks = fmt != "token_major" and self.target_tp_size == self.tp_size
         if fmt == "paged_blocks" and not self.paged_blocks:
@@ -171,6 +173,7 @@ class OmniKVWorker:
                 "kv_connector_extra_config.transfer_format 'paged_blocks' needs equal producer "
                 "and consumer TP sizes; use 'auto'"
             )
+        self.groups.check_format(self.paged_blocks)
         if not self.paged_blocks and any(x.kv is None for x in self.layers):
             raise ConfigError(
                 f"this engine's KV cache ({self.layers[0].ident.describe()}) has no per-token "
@@ -212,7 +215,7 @@ class OmniKVWorker:
         region = self._region
         assert region is not None
         caches = [x.cache for x in self.layers]
-        why = region.unavailable_reason
+        why = region.unavailable_reason or self.groups.one_copy_refusal
         if why is None and not self.paged_blocks:
             why = "producer and consumer TP sizes differ (token-major payloads)"
         if why is None and region.context_entered() is False:
@@ -252,6 +255,7 @@ class OmniKVWorker:
                 layout=ident,
                 metadata=md,
                 stager=self._stager,
+                **payload_tables(spec, self.layers, self.block_size),
             )
             return data, ident.page_bytes
         data = extract_request_kv(
@@ -400,7 +404,13 @@ class OmniKVWorker:
         return sending, recving
 
     def _report(self, out: _Outcome) -> None:
-        self._worker_meta[out.req_id] = report(out, self.stats, self._invalid_blocks)
+        failed = self._failed_recving if self.groups.hybrid else None
+        self._worker_meta[out.req_id] = report(out, self.stats, self._invalid_blocks, failed)
+
+    def take_failed_recving(self) -> set[str]:
+        """Failed loads of a model with several KV cache groups (vLLM's failed_recving)."""
+        out, self._failed_recving = self._failed_recving, set()
+        return out
 
     def take_invalid_block_ids(self) -> set[int]:
         out, self._invalid_blocks = self._invalid_blocks, set()

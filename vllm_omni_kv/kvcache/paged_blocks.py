@@ -34,20 +34,24 @@ from vllm_omni_kv.kvcache.cache_layout import (
     bits,
     block_token_views,
     check_view,
-    dense_pages,
     infer_identity,
     logical_from_pages,
     page_view,
 )
 from vllm_omni_kv.kvcache.device_staging import DeviceStager
+from vllm_omni_kv.kvcache.layer_windows import (
+    check_window,
+    first_blocks_field,
+    layer_windows,
+    payload_first_blocks,
+)
 from vllm_omni_kv.kvcache.meta import PAGED_BLOCKS, TOKEN_MAJOR, PayloadMeta
-from vllm_omni_kv.wire.codec import PACK_STEP, LazyTensor
+from vllm_omni_kv.kvcache.page_gather import STEP_BYTES, addressable, block_runs, iter_gather_pages
+from vllm_omni_kv.wire.codec import LazyTensor
 from vllm_omni_kv.wire.payload import KVCacheTransferData
 from vllm_omni_kv.wire.stream import CopyOut, PayloadStream, Span
 
 KV_BLOCKS = "kv_blocks"
-#: gathers report progress about this often, so the packer hashes bytes still in cache
-STEP_BYTES = PACK_STEP
 #: what ``layout`` arguments accept: an identity, None (infer from the tensor), or
 #: ``"cpu"`` (vLLM's CPU backend, the name earlier releases used)
 LayoutArg = KVLayoutId | str | None
@@ -72,57 +76,6 @@ def block_bytes(cache: torch.Tensor, layout: LayoutArg = None) -> int:
     return resolve_identity(cache, layout).page_bytes
 
 
-def block_runs(ids: Sequence[int]) -> list[tuple[int, int, int]]:
-    """``(offset in ids, first block id, length)`` of each run of consecutive block ids."""
-    runs: list[tuple[int, int, int]] = []
-    for off, b in enumerate(ids):
-        if runs and runs[-1][1] + runs[-1][2] == b:
-            o, first, n = runs[-1]
-            runs[-1] = (o, first, n + 1)
-        else:
-            runs.append((off, b, 1))
-    return runs
-
-
-def _addressable(pv: torch.Tensor) -> tuple[int, int] | None:
-    """``(page bytes, page stride in bytes)`` when pages of ``pv`` are host memory runs."""
-    if not dense_pages(pv):
-        return None
-    return pv[0].numel() * pv.element_size(), pv.stride(0) * pv.element_size()
-
-
-def iter_gather_pages(pv: torch.Tensor, ids: Sequence[int], out: torch.Tensor) -> Iterator[int]:
-    """Copy pages ``ids`` of ``pv`` (a page view) into ``out``, yielding bytes written so far.
-
-    Host pages are one ``memmove`` per page run (split into ``STEP_BYTES`` steps), so
-    a caller can checksum each step while it is in cache; others one ``index_select``.
-    """
-    addr = _addressable(pv) if out.device.type == "cpu" and out.is_contiguous() else None
-    if addr is None:
-        idx = torch.tensor(list(ids), dtype=torch.long, device=pv.device)
-        if out.device == pv.device:
-            torch.index_select(bits(pv), 0, idx, out=bits(out))
-        else:  # e.g. a GPU cache packed into host memory
-            bits(out).copy_(torch.index_select(bits(pv), 0, idx))
-        yield out.numel() * out.element_size()
-        return
-    per, stride = addr
-    step = max(1, STEP_BYTES // per)
-    base, dst = pv.data_ptr(), out.data_ptr()
-    reported = 0
-    for off, first, n in (
-        block_runs(ids) if stride == per else [(i, b, 1) for i, b in enumerate(ids)]
-    ):
-        for j in range(0, n, step):
-            k = min(step, n - j)
-            ctypes.memmove(dst + (off + j) * per, base + (first + j) * stride, k * per)
-            if off + j + k - reported >= step:  # report about every STEP_BYTES
-                reported = off + j + k
-                yield reported * per
-    if reported < len(ids):
-        yield len(ids) * per
-
-
 def extract_request_blocks(
     request_id: str,
     block_ids: Sequence[int],
@@ -132,9 +85,14 @@ def extract_request_blocks(
     layout: LayoutArg = None,
     metadata: dict[str, Any] | None = None,
     stager: DeviceStager | None = None,
+    layer_ids: Sequence[Sequence[int]] | None = None,
+    layer_first: Sequence[int] | None = None,
 ) -> KVCacheTransferData:
     """A paged-blocks payload of the blocks holding ``num_tokens`` tokens (lazy: one copy at
     pack time). ``kv_caches`` are vLLM's per-layer 4-D views; ``layout`` their identity.
+    ``layer_ids``/``layer_first``: each layer's own block table and first kept block
+    (hybrid models, :mod:`~vllm_omni_kv.kvcache.layer_windows`); by default every layer
+    sends blocks ``block_ids`` from the first.
 
     With ``stager`` (a cache on its device) the pages of every layer are gathered at once
     into its staging buffer, ordered after the current stream's work, and packing copies
@@ -146,36 +104,37 @@ def extract_request_blocks(
     ident = resolve_identity(first, layout)
     bs = ident.block_size
     needed = -(-int(num_tokens) // bs)
-    ids = [int(b) for b in block_ids][:needed]
-    if needed <= 0 or len(ids) < needed:
+    if needed <= 0 or len(block_ids) < needed:
         raise KVPayloadError(
             f"request {request_id}: {num_tokens} tokens need {needed} blocks of {bs}, "
             f"got {len(block_ids)}"
         )
+    windows = layer_windows(block_ids, needed, len(kv_caches), layer_ids, layer_first)
     nblocks = int(first.shape[0]) // ident.ratio
-    if min(ids) < 0 or max(ids) >= nblocks:
+    if any(min(w[f:]) < 0 or max(w[f:]) >= nblocks for w, f in windows):
         raise KVPayloadError(f"request {request_id}: block id out of range [0, {nblocks})")
     views: list[torch.Tensor | None] = []
     for i, cache in enumerate(kv_caches):
         if cache is not None:
             check_view(cache, ident, f"layer {i}")
         views.append(None if cache is None else page_view(cache, ident))
-    staged = (
-        stager.gather(views, ids) if stager is not None and stager.device == first.device else None
-    )
+    ids = windows[0][0]
+    if layer_ids is None and layer_first is None and stager is not None:
+        staged = stager.gather(views, ids) if stager.device == first.device else None
+    else:
+        staged = None  # hybrid tables: every layer reads its own pages
     layers: list[Any] = []
-    for i, pv in enumerate(views):
+    for i, (pv, (own, f)) in enumerate(zip(views, windows, strict=True)):
         if pv is None:
             layers.append(None)
             continue
         fill: Callable[[torch.Tensor], Iterator[int]] = (
-            functools.partial(iter_gather_pages, pv, ids) if staged is None else staged.fill(i)
+            functools.partial(iter_gather_pages, pv, own[f:]) if staged is None else staged.fill(i)
         )
-        layers.append(LazyTensor((needed, *ident.page_shape), pv.dtype, fill, pv.device))
+        layers.append(LazyTensor((needed - f, *ident.page_shape), pv.dtype, fill, pv.device))
     meta = PayloadMeta(PAGED_BLOCKS, int(num_tokens), bs, needed * bs, len(layers), ident)
-    return KVCacheTransferData(
-        request_id, {KV_BLOCKS: layers}, ids, meta.to_dict(**(metadata or {}))
-    )
+    extra = {**(metadata or {}), **(first_blocks_field(windows) if layer_first else {})}
+    return KVCacheTransferData(request_id, {KV_BLOCKS: layers}, ids, meta.to_dict(**extra))
 
 
 def is_block_payload(data: dict[str, Any] | None) -> bool:
@@ -301,7 +260,7 @@ class BlocksPlan:
         tasks: list[_Task] = []
         for c in self.copies:
             pv = page_view(c.cache, self.dst_layout)
-            addr = _addressable(pv) if self.raw and c.src.device.type == "cpu" else None
+            addr = addressable(pv) if self.raw and c.src.device.type == "cpu" else None
             if frame_address is None or addr is None:
                 end = 0 if frame_address is None else _span(c.src, frame_address)[1]
                 tasks.append((end, 0, 0, 0, None, functools.partial(self.write, c)))
@@ -343,6 +302,20 @@ def convert_pages(
         bits(d).index_copy_(0, idx, tokens)
 
 
+def _target_identity(cache: torch.Tensor, layout: LayoutArg, src_id: KVLayoutId) -> KVLayoutId:
+    """The local cache's identity; ``KVPayloadError`` when ``src_id`` pages cannot be
+    written into it losslessly."""
+    dst_id = resolve_identity(cache, layout)
+    why = dst_id.conversion_refusal(src_id)
+    if why is not None:
+        raise KVPayloadError(
+            f"the payload's KV ({src_id.describe()}) cannot be written into this cache "
+            f"({dst_id.describe()}): {why}; producer and consumer need the same model, "
+            "dtype, block size and TP"
+        )
+    return dst_id
+
+
 def plan_block_injection(
     data: dict[str, Any],
     kv_caches: Sequence[torch.Tensor | None],
@@ -350,13 +323,19 @@ def plan_block_injection(
     *,
     first_block: int = 0,
     layout: LayoutArg = None,
+    layer_ids: Sequence[Sequence[int]] | None = None,
+    layer_first: Sequence[int] | None = None,
+    layer_offset: int = 0,
 ) -> BlocksPlan:
     """Check a paged-blocks payload against the local cache (header only, no bytes read).
 
-    ``kv_caches`` are the local layers the payload (or part) covers; payload
-    block ``j`` goes to local block ``block_ids[j]`` for ``j >= first_block`` (the
-    blocks before it are already held locally). Raises ``KVPayloadError`` when the
-    payload's layout identity cannot be written into the local cache losslessly.
+    ``kv_caches`` are the local layers the payload (or part) covers, the first of them
+    payload layer ``layer_offset``; payload block ``j`` goes to local block
+    ``block_ids[j]`` for ``j >= first_block`` (the blocks before it are already held
+    locally). ``layer_ids``/``layer_first``: each local layer's own table and first
+    block to write (hybrid models). Raises ``KVPayloadError`` when the payload's layout
+    identity cannot be written into the local cache losslessly, or a layer needs blocks
+    the payload does not hold.
     """
     meta, src_id, layers = _block_layers(data)
     if len(layers) != len(kv_caches):
@@ -366,37 +345,34 @@ def plan_block_injection(
     first_cache = next((c for c in kv_caches if c is not None), None)
     if first_cache is None:
         return BlocksPlan(meta.num_tokens, [], src_id, src_id)
-    dst_id = resolve_identity(first_cache, layout)
-    why = dst_id.conversion_refusal(src_id)
-    if why is not None:
-        raise KVPayloadError(
-            f"the payload's KV ({src_id.describe()}) cannot be written into this cache "
-            f"({dst_id.describe()}): {why}; producer and consumer need the same model, "
-            "dtype, block size and TP"
-        )
+    dst_id = _target_identity(first_cache, layout, src_id)
     needed = meta.num_blocks
-    ids = [int(b) for b in block_ids][:needed]
-    if len(ids) < needed:
+    if len(block_ids) < needed and layer_ids is None:
         raise KVPayloadError(
             f"{meta.rows} token slots need {needed} local blocks, {len(block_ids)} given"
         )
     if not 0 <= first_block <= needed:
         raise KVPayloadError(f"first block {first_block} is outside the payload's {needed} blocks")
+    md = data.get("metadata") or {}
+    sent = payload_first_blocks(md, meta.num_layers, needed)[layer_offset:]
     copies = []
     for i, (src, cache) in enumerate(zip(layers, kv_caches, strict=True)):
         if cache is None:
             continue
         if src is None:
             raise KVPayloadError(f"payload has no KV for layer {i}, which the local model needs")
-        want = (needed, *src_id.page_shape)
+        ids = [int(b) for b in (block_ids if layer_ids is None else layer_ids[i])][:needed]
+        start = first_block if layer_first is None else int(layer_first[i])
+        want = (needed - sent[i], *src_id.page_shape)
         if tuple(src.shape) != want or src.element_size() != src_id.element_size:
             raise KVPayloadError(
                 f"layer {i}: payload pages {tuple(src.shape)} do not match its layout "
                 f"identity ({src_id.describe()}: {want})"
             )
+        check_window(i, start, sent[i], needed, len(ids))
         check_view(cache, dst_id, f"local layer {i}")
-        if first_block < needed:
-            copies.append(_Copy(src[first_block:], cache, ids[first_block:]))
+        if start < needed:
+            copies.append(_Copy(src[start - sent[i] :], cache, ids[start:]))
     return BlocksPlan(meta.num_tokens, copies, src_id, dst_id)
 
 
@@ -407,9 +383,20 @@ def inject_request_blocks(
     *,
     first_block: int = 0,
     layout: LayoutArg = None,
+    layer_ids: Sequence[Sequence[int]] | None = None,
+    layer_first: Sequence[int] | None = None,
 ) -> int:
-    """Write a complete paged-blocks payload into blocks ``block_ids``; return its token count."""
-    plan = plan_block_injection(data, kv_caches, block_ids, first_block=first_block, layout=layout)
+    """Write a complete paged-blocks payload into blocks ``block_ids`` (per layer: as
+    :func:`plan_block_injection` says); return its token count."""
+    plan = plan_block_injection(
+        data,
+        kv_caches,
+        block_ids,
+        first_block=first_block,
+        layout=layout,
+        layer_ids=layer_ids,
+        layer_first=layer_first,
+    )
     for c in plan.copies:
         plan.write(c)
     return plan.tokens
@@ -418,6 +405,11 @@ def inject_request_blocks(
 def blocks_to_tokens(data: dict[str, Any]) -> dict[str, Any]:
     """Convert a paged-blocks payload to the token-major format (``[num_tokens, heads, dim]``)."""
     meta, ident, layers = _block_layers(data)
+    if any(payload_first_blocks(data["metadata"], meta.num_layers, meta.num_blocks)):
+        raise KVPayloadError(
+            "a payload whose layers hold different blocks (several KV cache groups) has no "
+            "token-major form: run producer and consumer with the same TP size"
+        )
     if ident.packing in CELL_PACKINGS:
         what = "an MLA latent" if ident.packing == "latent" else "a packed (quantized)"
         raise KVPayloadError(

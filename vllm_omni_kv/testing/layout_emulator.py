@@ -15,11 +15,20 @@ the way the kernels do, by slot (``block * block_size + offset``), independently
 
 Values are random bit patterns of the element size, so comparisons are exact for
 every dtype (fp8 included).
+
+A hybrid engine (``sliding_window`` set) has two KV cache groups as vLLM's hybrid KV
+cache manager lays them out: even layers attend to a sliding window (group 0), odd
+layers to every token (group 1), and layer ``2j + g`` of group ``g`` aliases the
+``j``-th view of the one backing allocation (groups alias from byte 0). The token
+helpers then take one block table per group.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -55,6 +64,15 @@ class EmulatedEngine:
     kv_heads: int = 2
     head_size: int = 32  # the latent width for MLA
     device: str = "cpu"
+    sliding_window: int | None = None  # hybrid: tokens of group 0's window
+
+    @property
+    def groups(self) -> int:
+        """KV cache groups: 2 for a hybrid engine (sliding window, full), else 1."""
+        return 1 if self.sliding_window is None else 2
+
+    def group_of(self, layer: int) -> int:
+        return layer % self.groups
 
     @property
     def packing(self) -> str:
@@ -84,6 +102,37 @@ class EmulatedEngine:
 
 def _page_bytes(e: EmulatedEngine) -> int:
     return e.heads * e.block_size * e.content_bytes
+
+
+def _one_group(e: EmulatedEngine) -> EmulatedEngine:
+    """The layers one group's views cover (every layer for a single-group engine)."""
+    return dataclasses.replace(e, num_layers=e.num_layers // e.groups, sliding_window=None)
+
+
+def kv_cache_config(e: EmulatedEngine) -> Any:
+    """vLLM's ``KVCacheConfig`` groups of ``e`` (the fields a connector reads, where vLLM
+    is not importable)."""
+    names = e.layer_names()
+    members = [[n for i, n in enumerate(names) if e.group_of(i) == g] for g in range(e.groups)]
+    if not have_vllm():
+        by_layer = {n: g for g, layers in enumerate(members) for n in layers}
+        return SimpleNamespace(
+            transfer_group_index_by_layer=by_layer, transfer_group_ids=tuple(range(e.groups))
+        )
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+    )
+
+    kw = dict(block_size=e.block_size, num_kv_heads=e.kv_heads, head_size=e.head_size,
+              dtype=STORAGE[e.dtype])  # fmt: skip
+    specs: list[Any] = [FullAttentionSpec(**kw)]
+    if e.sliding_window is not None:
+        specs.insert(0, SlidingWindowSpec(**kw, sliding_window=e.sliding_window))
+    groups = [KVCacheGroupSpec(m, spec) for m, spec in zip(members, specs, strict=True)]
+    return KVCacheConfig(num_blocks=e.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
 
 
 def _placement(e: EmulatedEngine) -> tuple[int, int | None]:
@@ -170,12 +219,14 @@ def have_vllm() -> bool:
 
 
 def build_caches(e: EmulatedEngine, *, use_vllm: bool | None = None) -> dict[str, torch.Tensor]:
-    """Per-layer 4-D views over one zeroed backing allocation, as vLLM's ``allocate_kv_cache``."""
-    size, _fixed = _placement(e)
+    """Per-layer 4-D views over one zeroed backing allocation, as vLLM's ``allocate_kv_cache``
+    (a hybrid engine's groups alias the same views)."""
+    one = _one_group(e)
+    size, _fixed = _placement(one)
     raw = torch.zeros(size, dtype=torch.int8, device=e.device)
     vllm_ok = have_vllm() if use_vllm is None else use_vllm
-    views = _views_with_vllm(e, raw) if vllm_ok else _views_without_vllm(e, raw)
-    return dict(zip(e.layer_names(), views, strict=True))
+    views = _views_with_vllm(one, raw) if vllm_ok else _views_without_vllm(one, raw)
+    return {name: views[i // e.groups] for i, name in enumerate(e.layer_names())}
 
 
 def reference_tokens(
@@ -195,6 +246,14 @@ def reference_tokens(
             v = torch.randint(lo, hi, shape, generator=g, dtype=torch.int32).to(idt)
         out.append((k, v))
     return out
+
+
+def _tables(e: EmulatedEngine, block_ids: Sequence[Any]) -> list[list[int]]:
+    """Each layer's block table: ``block_ids`` (one table), or a hybrid engine's table
+    of the layer's group."""
+    if e.groups == 1:
+        return [list(block_ids)] * e.num_layers
+    return [list(block_ids[e.group_of(i)]) for i in range(e.num_layers)]
 
 
 def _slot(e: EmulatedEngine, block_ids: list[int], t: int) -> tuple[int, int]:
@@ -219,15 +278,16 @@ def _cell(e: EmulatedEngine, layer: torch.Tensor, kb: int, off: int, h: int) -> 
 def write_tokens(
     e: EmulatedEngine,
     caches: dict[str, torch.Tensor],
-    block_ids: list[int],
+    block_ids: Sequence[Any],
     ref: list[tuple[torch.Tensor, torch.Tensor | None]],
 ) -> None:
     """Store ``ref`` tokens into the request's blocks (what a forward pass would write)."""
     idt = _INT[STORAGE[e.dtype].itemsize]
-    for layer, (k, v) in zip(caches.values(), ref, strict=True):
+    tables = _tables(e, block_ids)
+    for layer, table, (k, v) in zip(caches.values(), tables, ref, strict=True):
         bits = layer.view(idt)
         for t in range(k.shape[0]):
-            kb, off = _slot(e, block_ids, t)
+            kb, off = _slot(e, table, t)
             for h in range(e.heads):
                 ck, cv = _cell(e, bits, kb, off, h)
                 ck.copy_(k[t, h])
@@ -236,17 +296,17 @@ def write_tokens(
 
 
 def read_tokens(
-    e: EmulatedEngine, caches: dict[str, torch.Tensor], block_ids: list[int], num_tokens: int
+    e: EmulatedEngine, caches: dict[str, torch.Tensor], block_ids: Sequence[Any], num_tokens: int
 ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """Read tokens ``[0, num_tokens)`` back from the request's blocks (CPU tensors)."""
     idt = _INT[STORAGE[e.dtype].itemsize]
     out: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-    for layer in caches.values():
+    for layer, table in zip(caches.values(), _tables(e, block_ids), strict=True):
         bits = layer.view(idt)
         k = torch.empty(num_tokens, e.heads, e.head_size, dtype=idt)
         v = None if e.packing == "latent" else torch.empty_like(k)
         for t in range(num_tokens):
-            kb, off = _slot(e, block_ids, t)
+            kb, off = _slot(e, table, t)
             for h in range(e.heads):
                 ck, cv = _cell(e, bits, kb, off, h)
                 k[t, h] = ck.cpu()

@@ -1,0 +1,171 @@
+"""P/D of a hybrid model under vLLM's hybrid KV cache manager, without engines
+(:mod:`sched_harness` with ``hybrid=True``: a tiny Gemma 3-shaped cache, a sliding
+window of 64 tokens on KV cache group 0 and full attention on group 1, blocks of 32).
+
+The references: the producer's own cache for the bytes, and vLLM's sliding-window rule
+for what each group keeps: after ``n`` computed tokens a window of ``w`` tokens skips
+the first ``n - w + 1`` tokens, so the group keeps blocks from ``(n - w + 1) // 32`` on
+and only those cross the transport.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from _kv_fixtures import BS, DIM, HEADS  # noqa: E402
+from sched_harness import FULL, HYBRID_BLOCKS, SLIDING, WINDOW, Engine  # noqa: E402
+from vllm.v1.engine import FinishReason  # noqa: E402
+from vllm.v1.request import RequestStatus  # noqa: E402
+
+N = 300  # tokens of the long prompt: 10 blocks, the window's 3 of them
+PAGE = HEADS * BS * 2 * DIM * 2  # bytes of one block of one bf16 layer
+SLIDE, FULLG = 0, 1  # the KV cache groups
+
+
+def kept_from(n: int) -> int:
+    """The first block a sliding-window group keeps after ``n`` computed tokens."""
+    return max(0, n - WINDOW + 1) // BS
+
+
+def blocks(n: int) -> int:
+    return -(-n // BS)
+
+
+def pages(load: dict) -> int:
+    """KV pages a load moved: its bytes are whole pages plus the frame's metadata (under
+    one page)."""
+    n, rest = divmod(int(load["bytes"]), PAGE)
+    assert 0 < rest < 4096, load  # the header: present, and far smaller than a page
+    return n
+
+
+@pytest.fixture(scope="module", params=["packed", "one_copy"])
+def pair(request: pytest.FixtureRequest, tiny_model_dir: Path) -> Iterator[tuple[Engine, Engine]]:
+    """A producer and a consumer; ``one_copy``: the shm region is on (a hybrid model
+    sends packed payloads all the same)."""
+    ns = f"hma-{uuid.uuid4().hex[:8]}"
+    share = {"backend_extra": {"namespace": ns, "share_cache": request.param == "one_copy"}}
+    prod = Engine(tiny_model_dir, "kv_producer", ns, seed=1, hybrid=True, **share)
+    cons = Engine(tiny_model_dir, "kv_consumer", ns, seed=2, hybrid=True, **share)
+    try:
+        yield prod, cons
+    finally:
+        cons.close()
+        prod.close()
+
+
+def _prompt(tag: int, n: int = N) -> list[int]:
+    return [tag, *((i * 7919) % 2003 + 1 for i in range(n - 1))]  # its own first token
+
+
+def _prefill(prod: Engine, rid: str, prompt: list[int]) -> dict:
+    prod.add(rid, prompt, {"do_remote_decode": True})
+    prod.run_until(lambda: rid in prod.finished)
+    params = prod.finished[rid]
+    assert params is not None and params["do_remote_prefill"], params
+    return params
+
+
+def _decode(prod: Engine, cons: Engine, rid: str, prompt: list[int], params: dict) -> dict:
+    cons.add(rid, prompt, dict(params))
+    cons.run_until(lambda: rid in cons.finished)
+    prod.run_until(lambda: rid in prod.sent)  # the producer's blocks go back
+    out = cons.finished[rid]
+    assert out is not None
+    return dict(out["omni_kv_load"])
+
+
+def _same_kv(prod: Engine, cons: Engine, rid: str, group: int, start: int, end: int) -> None:
+    got, want = cons.kv(rid, start, end, group), prod.kv(rid, start, end, group)
+    assert len(got) == len(want) == 4  # K and V of the group's two layers
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+
+
+def _null_pages(engine: Engine) -> list[torch.Tensor]:
+    return [cache[0].clone() for cache in engine.caches.values()]
+
+
+def test_each_group_gets_the_blocks_it_keeps(pair: tuple[Engine, Engine]) -> None:
+    prod, cons = pair
+    rid = f"long-{uuid.uuid4().hex[:6]}"
+    prompt = _prompt(2001)
+    null_before = _null_pages(cons)
+    params = _prefill(prod, rid, prompt)
+    first = kept_from(N)
+    assert first == 7
+    # remote_block_ids per group: the blocks each group of the producer keeps
+    assert params["remote_block_ids"] == [
+        prod.tables[rid][SLIDE][first : blocks(N)],
+        prod.tables[rid][FULLG][: blocks(N)],
+    ]
+    load = _decode(prod, cons, rid, prompt, params)
+    assert load["ok"] is True and load["tokens"] == N, load
+    # vLLM's consumer table: the null block before the window, its own blocks in it
+    table = cons.tables[rid][SLIDE]
+    assert table[:first] == [0] * first and 0 not in table[first : blocks(N)]
+    _same_kv(prod, cons, rid, FULLG, 0, N)
+    _same_kv(prod, cons, rid, SLIDE, first * BS, N)
+    # 26 pages where a single table (HMA off) moves 40
+    assert pages(load) == len(FULL) * blocks(N) + len(SLIDING) * (blocks(N) - first) == 26
+    for got, want in zip(_null_pages(cons), null_before, strict=True):
+        assert torch.equal(got, want)  # nothing was written into the null block
+
+
+def test_a_local_prefix_hit_loads_each_group_after_it(pair: tuple[Engine, Engine]) -> None:
+    prod, cons = pair
+    prompt = _prompt(2002)
+    first = f"prefix-a-{uuid.uuid4().hex[:6]}"
+    assert _decode(prod, cons, first, prompt, _prefill(prod, first, prompt))["ok"]
+    again = f"prefix-b-{uuid.uuid4().hex[:6]}"
+    load = _decode(prod, cons, again, prompt, _prefill(prod, again, prompt))
+    hit = (N - 1) // BS * BS  # vLLM's local hit: every full block but the last token's
+    assert load["ok"] is True and load["tokens"] == N - hit, load
+    a, b = cons.tables[first], cons.tables[again]
+    assert b[FULLG][: hit // BS] == a[FULLG][: hit // BS]  # the hit, reused
+    window = slice(kept_from(N), hit // BS)
+    assert b[SLIDE][window] == a[SLIDE][window]
+    _same_kv(prod, cons, again, FULLG, hit, N)
+    _same_kv(prod, cons, again, SLIDE, kept_from(N) * BS, N)
+    assert pages(load) == (len(FULL) + len(SLIDING)) * (blocks(N) - hit // BS)
+
+
+def test_a_refused_payload_fails_the_request_not_the_scheduler(
+    pair: tuple[Engine, Engine],
+) -> None:
+    """A failed load of a model with several groups is reported in failed_recving (vLLM
+    maps no block ids to requests there): vLLM fails the request and keeps going."""
+    prod, cons = pair
+    rid = f"refused-{uuid.uuid4().hex[:6]}"
+    params = _prefill(prod, rid, _prompt(2003))
+    other = _prompt(2004)  # not the prompt the producer prefilled
+    cons.add(rid, other, dict(params))
+    cons.run_until(lambda: rid in cons.finished)
+    prod.run_until(lambda: rid in prod.sent)  # the refused payload is released
+    assert cons.reasons[rid] == FinishReason.ERROR  # kv_load_failure_policy "fail"
+    assert cons.sched.requests.get(rid) is None
+    pool = cons.sched.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == HYBRID_BLOCKS - 1
+
+
+def test_an_abort_while_loading_frees_both_sides(pair: tuple[Engine, Engine]) -> None:
+    prod, cons = pair
+    rid = f"abort-{uuid.uuid4().hex[:6]}"
+    prompt = _prompt(2005, 150)
+    params = _prefill(prod, rid, prompt)
+    cons.add(rid, prompt, dict(params))
+    cons.step()  # the load is scheduled: the request waits for its remote KV
+    assert cons.sched.requests[rid].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    cons.sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+    pool = cons.sched.kv_cache_manager.block_pool
+    free = HYBRID_BLOCKS - 1
+    cons.run_until(lambda: not cons.sched.requests and pool.get_num_free_blocks() == free)
+    prod.run_until(lambda: rid in prod.sent)  # its payload is released, its blocks go back
+    assert prod.sched.kv_cache_manager.block_pool.get_num_free_blocks() == free
