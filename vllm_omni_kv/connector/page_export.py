@@ -66,3 +66,27 @@ class PageExport:
             digests=self.region.digests,
             metadata=md,
         )
+
+
+def export_pages(
+    region: CacheRegion, layers: Sequence[LayerCache], backend_name: str, refusal: str | None
+) -> PageExport | None:
+    """The one-copy export of a producer's cache in ``region``, or None, said once (the
+    producer then sends packed payloads) where it cannot be: ``refusal``, the region
+    unavailable, or the model runner never entered the allocation context.
+    ``ConfigError`` when vLLM allocated the cache outside the region it asked for."""
+    caches = [x.cache for x in layers]
+    why = region.unavailable_reason or refusal
+    if why is None and region.context_entered() is False:
+        why = "this model runner never entered get_mem_pool_context (the cache is vLLM's)"
+    if why is not None:
+        logger.warning(
+            "OmniKVConnector: backend %s sends packed payloads, not pages of this "
+            "engine's cache: %s",
+            backend_name,
+            why,
+        )
+        return None
+    if caches[0].device.type == region.places:  # the region placed it: verify that
+        region.check_placement(caches)
+    return PageExport.create(region, layers, backend_name)

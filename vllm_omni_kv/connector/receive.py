@@ -206,7 +206,6 @@ def receive(
     is applied here."""
     with device_writes(layers[0].cache.device if layers else None, after):
         block_size = layers[0].ident.block_size if layers else 0
-        start = spec.num_local_tokens
         if len(keys) == 1 and not topo.is_heterogeneous:
             key, endpoint = keys[0]
             moved, write = 0, 0.0
@@ -220,32 +219,47 @@ def receive(
                     write += time.perf_counter() - t0
                     moved += stream.moved + (plan.moved if isinstance(plan, SharedPagesPlan) else 0)
             return Received(spec.num_load_tokens, moved, write)
-        if spec.group_block_ids is not None:
-            raise KVPayloadError(
-                "a model with several KV cache groups needs equal producer and consumer TP "
-                "sizes (or --disable-hybrid-kv-cache-manager on both)"
-            )
-        payloads, moved = [], 0
-        for key, endpoint in keys:
-            obj, n = session.fetch(key, endpoint, deadline, cancel)
-            check_payload(obj, spec, block_size, compat)
-            if is_shared_payload(obj):
-                raise KVPayloadError(
-                    "a shared-pages payload needs equal producer and consumer TP sizes"
-                )
-            payloads.append(blocks_to_tokens(obj) if is_block_payload(obj) else obj)
-            moved += n
-        merged = merge_received_rank_shards(payloads)
-        if merged is not None and topo.target_tp_size > topo.source_tp_size:
-            merged = slice_received_rank_shard(merged, topo)
-        if merged is None:
-            raise KVPayloadError("no payload after merging rank shards")
-        t0 = time.perf_counter()
-        inject_request_kv(
-            merged,
-            token_caches(layers),
-            spec.block_ids,
-            start_token=start,
-            num_tokens=spec.num_prompt_tokens,
+        return _receive_shards(session, layers, spec, keys, topo, deadline, cancel, compat)
+
+
+def _receive_shards(
+    session: TransferSession,
+    layers: Sequence[LayerCache],
+    spec: LoadSpec,
+    keys: Sequence[tuple[str, dict[str, Any] | None]],
+    topo: KVTPTopology,
+    deadline: float,
+    cancel: threading.Event,
+    compat: CompatIdentity | None,
+) -> Received:
+    """Heterogeneous TP: every source rank's payload, merged or sliced token-major."""
+    block_size = layers[0].ident.block_size if layers else 0
+    if spec.group_block_ids is not None:
+        raise KVPayloadError(
+            "a model with several KV cache groups needs equal producer and consumer TP "
+            "sizes (or --disable-hybrid-kv-cache-manager on both)"
         )
-        return Received(spec.num_load_tokens, moved, time.perf_counter() - t0)
+    payloads, moved = [], 0
+    for key, endpoint in keys:
+        obj, n = session.fetch(key, endpoint, deadline, cancel)
+        check_payload(obj, spec, block_size, compat)
+        if is_shared_payload(obj):
+            raise KVPayloadError(
+                "a shared-pages payload needs equal producer and consumer TP sizes"
+            )
+        payloads.append(blocks_to_tokens(obj) if is_block_payload(obj) else obj)
+        moved += n
+    merged = merge_received_rank_shards(payloads)
+    if merged is not None and topo.target_tp_size > topo.source_tp_size:
+        merged = slice_received_rank_shard(merged, topo)
+    if merged is None:
+        raise KVPayloadError("no payload after merging rank shards")
+    t0 = time.perf_counter()
+    inject_request_kv(
+        merged,
+        token_caches(layers),
+        spec.block_ids,
+        start_token=spec.num_local_tokens,
+        num_tokens=spec.num_prompt_tokens,
+    )
+    return Received(spec.num_load_tokens, moved, time.perf_counter() - t0)

@@ -47,7 +47,7 @@ from vllm_omni_kv.connector.metadata import (
 )
 from vllm_omni_kv.connector.outcome import Outcome as _Outcome
 from vllm_omni_kv.connector.outcome import report
-from vllm_omni_kv.connector.page_export import PageExport
+from vllm_omni_kv.connector.page_export import PageExport, export_pages
 from vllm_omni_kv.connector.receive import LayerCache, forward_mark, layer_caches, token_caches
 from vllm_omni_kv.connector.stats import OmniKVConnectorStats
 from vllm_omni_kv.errors import (
@@ -209,28 +209,12 @@ class OmniKVWorker:
             )
 
     def _export_pages(self) -> PageExport | None:
-        """The one-copy export of this producer's cache, or None (said once: packed
-        payloads) where it cannot be; ``ConfigError`` when vLLM allocated the cache
-        outside the region it asked for."""
-        region = self._region
-        assert region is not None
-        caches = [x.cache for x in self.layers]
-        why = region.unavailable_reason or self.groups.one_copy_refusal
+        """The one-copy export of this producer's cache, or None (packed payloads)."""
+        assert self._region is not None
+        why = self.groups.one_copy_refusal
         if why is None and not self.paged_blocks:
             why = "producer and consumer TP sizes differ (token-major payloads)"
-        if why is None and region.context_entered() is False:
-            why = "this model runner never entered get_mem_pool_context (the cache is vLLM's)"
-        if why is not None:
-            logger.warning(
-                "OmniKVConnector: backend %s sends packed payloads, not pages of this "
-                "engine's cache: %s",
-                self.cfg.backend_name,
-                why,
-            )
-            return None
-        if caches[0].device.type == region.places:  # the region placed it: verify that
-            region.check_placement(caches)
-        return PageExport.create(region, self.layers, self.cfg.backend_name)
+        return export_pages(self._region, self.layers, self.cfg.backend_name, why)
 
     # -- send ----------------------------------------------------------------------------
     def _payload(self, spec: SaveSpec, hold: str = "") -> tuple[KVCacheTransferData, int]:
