@@ -99,6 +99,10 @@ COST_S = {
     "tests/backends/nixl/test_pd_nixl.py": 54,
     "tests/connector/test_pd_mooncake.py": 44,
     "tests/connector/test_leases.py": 35,
+    "tests/connector/test_pd_hybrid.py": 96,
+    "tests/connector/test_scheduler_hma.py": 43,
+    "tests/test_gpu_check.py": 40,
+    "tests/connector/test_scheduler_pd.py": 20,
 }
 
 
