@@ -376,7 +376,12 @@ def test_acquire_that_timed_out_does_not_block_the_retry() -> None:
     ):
         meta = proc.call(op="put", key="slow", data=data)["meta"]
         endpoint = {k: meta[k] for k in ("source_host", "source_port")}
+        proc.call(op="put", key="first", data=data)
+        first = r.get("0", "1", "first", endpoint)  # this thread has its holder id now
+        assert first is not None
+        first[0].release()
         proc.call(op="hold_gil", seconds=2.0)
+        time.sleep(0.2)  # the sender is stuck by now (its socket to us is warm)
         t0 = time.monotonic()
         assert r.get("0", "1", "slow", endpoint) is None  # no reply within 1 s...
         assert r.health()["timeouts"] == 1

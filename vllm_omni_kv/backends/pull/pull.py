@@ -419,6 +419,9 @@ class PullTransferConnector(OmniConnectorBase):
         }
         if not self._closed:
             out.update(self.pool.stats())
+        if self._server is not None:  # side-channel connections now, and refused for the cap
+            out["peers"] = self._server.peers.open_peers
+            out["peers_refused"] = self._server.peers.refused
         return out
 
     def close(self) -> None:

@@ -6,71 +6,88 @@ dead or stuck peer surfaces as :class:`KVTransferTimeout` instead of a hang.
 After a timeout the REQ socket is discarded (its state machine is stuck) and a
 fresh one is made on the next call. Messages are msgpack maps only (no pickle).
 
-With an auth key (:mod:`vllm_omni_kv.wire.auth`) on both ends, every message is
-its msgpack body followed by a 32-byte keyed BLAKE2b MAC (distinct keys for
-requests and replies). A request also carries ``_ts`` (the sender's wall clock)
-and ``_nonce`` (16 random bytes): the server refuses a request whose MAC does
-not match, whose ``_ts`` is more than :data:`MAX_SKEW_S` away from its own clock,
-or whose nonce it has already seen (a replay), answering ``{"ok": False,
-"reason": "unauthenticated"}`` without running the handler. Replies echo the
-request's nonce under their MAC, so a client accepts only the reply to its own
-request. A reply that fails this, or a refusal as unauthenticated, raises
-:class:`KVPayloadError` at the client (refused, not retried: the keys differ).
+Memory: a server admits at most :data:`MAX_PEERS` connections at a time
+(:mod:`.peer_cap`; a connection beyond them is closed by ZeroMQ before it carries a
+message), queues at most :data:`RCV_QUEUE` requests per connection and drops a
+connection that sends a request over :data:`MAX_REQUEST` bytes: queued requests take at
+most ``MAX_PEERS * (RCV_QUEUE + 1) * MAX_REQUEST`` bytes (12 MiB) in all.
+
+With an auth key (:mod:`vllm_omni_kv.wire.auth`) on both ends, every message is a
+keyed envelope (:mod:`.envelope`): a header with a timestamp, a nonce, the boot id of
+the server process it is for and the body's digest, a MAC over that header, then the
+body. The server (:class:`~.envelope.KeyedGate`) checks the header's MAC before it
+looks at the body and refuses, with ``{"ok": False, "reason": "unauthenticated"}`` and
+without running the handler, a request with a wrong MAC, a timestamp more than
+:data:`MAX_SKEW_S` from its clock, a nonce it has seen (a replay) or a body that is not
+the one its header names. A request for another boot id (another server, or this one
+before a restart) is refused with a sealed ``retarget`` reply carrying this server's
+boot id; the client then resends once. Replies are sealed with the request's nonce, so
+a client accepts only the reply to its own request. A reply that fails this, or a
+refusal as unauthenticated, raises :class:`KVPayloadError` at the client (refused, not
+retried: the keys differ). Refusals cost the rate bucket like requests.
 """
 
 from __future__ import annotations
 
-import hmac
 import math
 import os
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 import msgpack
 import zmq
 
+from vllm_omni_kv.backends.pull.envelope import (
+    BOOT_SIZE,
+    NONCE_SIZE,
+    Header,
+    KeyedGate,
+    body_of,
+    open_header,
+    seal,
+)
+from vllm_omni_kv.backends.pull.peer_cap import PeerCap
 from vllm_omni_kv.errors import KVPayloadError, KVTransferError, KVTransferTimeout
 from vllm_omni_kv.kvcache.kv_utils import kv_zmq_port, sender_rank_port
 from vllm_omni_kv.logger import init_logger
-from vllm_omni_kv.wire.auth import ENV_KEY_FILE, MESSAGE_MAC_SIZE, AuthKey
+from vllm_omni_kv.wire.auth import ENV_KEY_FILE, AuthKey
 
 logger = init_logger(__name__)
 
 Handler = Callable[[dict[str, Any]], dict[str, Any]]
 
-#: largest message either side accepts; requests/replies are tiny maps
+#: largest reply a client accepts
 MAX_MESSAGE = 1 << 20
-#: largest request a server accepts, and how many it queues per peer: a flood of large
-#: messages costs at most MAX_REQUEST * RCV_QUEUE bytes per connected peer
-MAX_REQUEST = 64 << 10
-RCV_QUEUE = 16
+#: largest request a server accepts (requests are maps of a few hundred bytes); ZeroMQ
+#: drops the connection of a peer that sends more
+MAX_REQUEST = 16 << 10
+#: requests (and replies) a server queues per connection: a REQ client has one in flight
+RCV_QUEUE = 2
+#: connections a server admits at a time (each client thread holds one per server)
+MAX_PEERS = 256
+#: a connection that has not finished ZeroMQ's handshake in this long is dropped
+HANDSHAKE_MS = 10_000
+#: requests handled per wake-up of the server thread before it serves admissions again
+BATCH = 64
 #: requests a server answers per second (a token bucket of this many, refilled continuously);
 #: beyond that it replies ``busy`` without running the handler, and clients retry
 MAX_RATE = 20000.0
 #: ops answered even when over the rate (ending a pull must never fail for load)
 EXEMPT_OPS = frozenset({"release"})
-#: a keyed request whose ``_ts`` is further than this from the server's clock is refused
+#: a keyed request whose timestamp is further than this from the server's clock is refused
 MAX_SKEW_S = 30.0
 #: nonces a keyed server remembers (each for ``2 * MAX_SKEW_S``); beyond this it answers busy
 MAX_NONCES = 1 << 18
-NONCE_SIZE = 16
+#: the boot id a client sends before it learnt the server's (always answered ``retarget``)
+UNKNOWN_BOOT = bytes(BOOT_SIZE)
 
 
-def pack(msg: dict[str, Any], auth: AuthKey | None = None, *, reply: bool = False) -> bytes:
-    """A message's bytes: msgpack, followed by its MAC when ``auth`` is given."""
+def pack(msg: dict[str, Any]) -> bytes:
+    """An unkeyed message's bytes (msgpack)."""
     out: bytes = msgpack.packb(msg, use_bin_type=True)
-    return out if auth is None else out + auth.message_mac(out, reply=reply)
-
-
-def authenticated_body(raw: bytes, auth: AuthKey, *, reply: bool = False) -> bytes | None:
-    """The msgpack body of a keyed message, or None when its MAC does not match."""
-    if len(raw) <= MESSAGE_MAC_SIZE:
-        return None
-    body, mac = raw[:-MESSAGE_MAC_SIZE], raw[-MESSAGE_MAC_SIZE:]
-    return body if hmac.compare_digest(auth.message_mac(body, reply=reply), mac) else None
+    return out
 
 
 def unpack(raw: bytes) -> dict[str, Any]:
@@ -87,7 +104,9 @@ class SideChannelServer:
     """Serve ``handler(request) -> reply`` on ``tcp://host:port`` from a daemon thread.
 
     ``port=0`` binds a random free port (see :attr:`port`). ``on_idle`` runs
-    between messages at least every ``idle_interval_s`` (used for TTL sweeps).
+    between messages at least every ``idle_interval_s`` (used for TTL sweeps). The
+    server owns its ZMQ context (its peer cap answers the context's one ZAP endpoint);
+    :attr:`boot` is its boot id, random per server.
     """
 
     def __init__(
@@ -96,30 +115,34 @@ class SideChannelServer:
         port: int,
         handler: Handler,
         *,
-        ctx: zmq.Context[Any] | None = None,
         on_idle: Callable[[], None] | None = None,
         idle_interval_s: float = 0.2,
         name: str = "omnikv-side-channel",
         max_rate: float = MAX_RATE,
         auth: AuthKey | None = None,
+        max_peers: int = MAX_PEERS,
     ) -> None:
         self._handler = handler
         self._auth = auth
-        self._nonces: set[bytes] = set()
-        self._nonce_expiry: deque[tuple[float, bytes]] = deque()
+        self.boot = os.urandom(BOOT_SIZE)
+        self._gate = None if auth is None else KeyedGate(auth, self.boot, MAX_SKEW_S, MAX_NONCES)
         self._refusal_logged = -math.inf
         self._rate = float(max_rate)
         self._tokens = self._rate
         self._refilled = time.monotonic()
         self._on_idle = on_idle
         self._idle_interval = max(0.01, idle_interval_s)
-        self._own_ctx = ctx is None
-        self._ctx = ctx or zmq.Context()
+        self._ctx: zmq.Context[Any] = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST)
-        self._sock.setsockopt(zmq.RCVHWM, RCV_QUEUE)
-        self._sock.setsockopt(zmq.SNDHWM, RCV_QUEUE)
+        for opt, value in (
+            (zmq.LINGER, 0),
+            (zmq.MAXMSGSIZE, MAX_REQUEST),
+            (zmq.RCVHWM, RCV_QUEUE),
+            (zmq.SNDHWM, RCV_QUEUE),
+            (zmq.HANDSHAKE_IVL, HANDSHAKE_MS),
+        ):
+            self._sock.setsockopt(opt, value)
+        self.peers = PeerCap(self._ctx, self._sock, max_peers)
         try:
             if port == 0:
                 self.port = self._sock.bind_to_random_port(f"tcp://{host}")
@@ -127,9 +150,9 @@ class SideChannelServer:
                 self._sock.bind(f"tcp://{host}:{port}")
                 self.port = port
         except zmq.ZMQError as e:
+            self.peers.close()
             self._sock.close(0)
-            if self._own_ctx:
-                self._ctx.term()
+            self._ctx.term()
             raise KVTransferError(
                 f"cannot bind the side channel on tcp://{host}:{port}: {e}. Another process "
                 "(or another TP rank) already uses this port: give each sender its own "
@@ -146,7 +169,8 @@ class SideChannelServer:
 
     def _serve(self) -> None:
         poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
+        for s in (self._sock, *self.peers.sockets):
+            poller.register(s, zmq.POLLIN)
         next_idle = time.monotonic() + self._idle_interval
         poll_ms = int(min(self._idle_interval, 0.05) * 1000)  # also bounds close() latency
         while not self._stop.is_set():
@@ -156,8 +180,11 @@ class SideChannelServer:
                 if self._stop.is_set():
                     break
                 raise
+            self.peers.service()
             if self._sock in events:
-                self._handle_one()
+                for _ in range(BATCH):
+                    if not self._handle_one():
+                        break
             now = time.monotonic()
             if self._on_idle is not None and now >= next_idle:
                 next_idle = now + self._idle_interval
@@ -165,30 +192,30 @@ class SideChannelServer:
                     self._on_idle()
                 except Exception:
                     logger.exception("side-channel idle callback failed")
+        self.peers.close()
         self._sock.close(0)
 
-    def _handle_one(self) -> None:
+    def _handle_one(self) -> bool:
+        """Answer one queued request; False when none is queued."""
         try:
             frames = self._sock.recv_multipart(zmq.NOBLOCK)
         except zmq.Again:
-            return
+            return False
         if len(frames) < 3:  # ROUTER: identity, empty delimiter (REQ), payload
-            return
+            return True
         ident, payload = frames[0], frames[-1]
         now = time.monotonic()
         self._tokens = min(self._rate, self._tokens + (now - self._refilled) * self._rate)
         self._refilled = now
-        nonce: bytes | None = None
+        header: Header | None = None
         try:
-            if self._auth is not None:
-                msg, nonce, refusal = self._open_keyed(payload, now)
-                if refusal is not None:
-                    self._tokens = max(0.0, self._tokens - 1)  # refusals cost the bucket
-                    if now - self._refusal_logged >= 10.0:  # at most one warning per 10 s
-                        self._refusal_logged = now
-                        logger.warning("side channel refused a request: %s", refusal.get("error"))
-                    self._reply(ident, refusal, None)
-                    return
+            if self._gate is not None:
+                body, header, refusal = self._gate.open(payload, now)
+                if body is None:
+                    self._refused(refusal, now)
+                    self._reply(ident, refusal, header)
+                    return True
+                msg = unpack(body)
             else:
                 msg = unpack(payload)
             exempt = msg.get("op") in EXEMPT_OPS  # answered always, never drains the bucket
@@ -203,56 +230,26 @@ class SideChannelServer:
         except Exception as e:
             logger.exception("side-channel handler failed")
             reply = {"ok": False, "reason": "error", "error": f"{type(e).__name__}: {e}"}
-        self._reply(ident, reply, nonce)
+        self._reply(ident, reply, header)
+        return True
 
-    def _reply(self, ident: bytes, reply: dict[str, Any], nonce: bytes | None) -> None:
-        """Send ``reply``; keyed (echoing ``nonce``) when the request was authenticated."""
-        if nonce is not None and self._auth is not None:
-            raw = pack({**reply, "_nonce": nonce}, self._auth, reply=True)
+    def _refused(self, refusal: dict[str, Any], now: float) -> None:
+        """A request the gate refused: it costs the bucket; warn at most every 10 s."""
+        self._tokens = max(0.0, self._tokens - 1)
+        if refusal.get("reason") == "unauthenticated" and now - self._refusal_logged >= 10.0:
+            self._refusal_logged = now
+            logger.warning("side channel refused a request: %s", refusal.get("error"))
+
+    def _reply(self, ident: bytes, reply: dict[str, Any], header: Header | None) -> None:
+        """Send ``reply``; sealed (with the request's nonce) when ``header`` is given."""
+        if header is not None and self._auth is not None:
+            raw = seal(reply, self._auth, nonce=header.nonce, boot=self.boot, reply=True)
         else:
             raw = pack(reply)
         try:
             self._sock.send_multipart([ident, b"", raw], zmq.NOBLOCK)
         except zmq.ZMQError as e:  # the requester went away; nothing to do
             logger.debug("side-channel reply dropped: %s", e)
-
-    def _open_keyed(
-        self, payload: bytes, now: float
-    ) -> tuple[dict[str, Any], bytes | None, dict[str, Any] | None]:
-        """``(request, nonce, None)`` for an authenticated fresh request, else
-        ``({}, None, refusal)``. Malformed bodies under a valid MAC raise KVTransferError."""
-        assert self._auth is not None
-
-        def refuse(why: str) -> tuple[dict[str, Any], None, dict[str, Any]]:
-            return {}, None, {"ok": False, "reason": "unauthenticated", "error": why}
-
-        body = authenticated_body(payload, self._auth)
-        if body is None:
-            return refuse(
-                "request not authenticated: its MAC is missing or made with another key; "
-                f"give every stage the same auth_key_file (or {ENV_KEY_FILE})"
-            )
-        msg = unpack(body)
-        ts, nonce = msg.pop("_ts", None), msg.pop("_nonce", None)
-        if not isinstance(nonce, bytes) or len(nonce) != NONCE_SIZE:
-            return refuse("request not authenticated: it carries no valid nonce")
-        if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts):
-            return refuse("request not authenticated: it carries no valid timestamp")
-        skew = ts - time.time()
-        if abs(skew) > MAX_SKEW_S:
-            return refuse(
-                f"request refused: its timestamp is {skew:+.1f}s from this host's clock (at "
-                f"most {MAX_SKEW_S:g}s allowed): a replayed request, or clocks out of sync"
-            )
-        while self._nonce_expiry and self._nonce_expiry[0][0] <= now:
-            self._nonces.discard(self._nonce_expiry.popleft()[1])
-        if nonce in self._nonces:
-            return refuse("request refused: its nonce was already used (a replayed request)")
-        if len(self._nonces) >= MAX_NONCES:
-            return {}, None, {"ok": False, "reason": "busy"}
-        self._nonces.add(nonce)
-        self._nonce_expiry.append((now + 2 * MAX_SKEW_S, nonce))
-        return msg, nonce, None
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the thread and close the socket; idempotent."""
@@ -262,7 +259,7 @@ class SideChannelServer:
         self._thread.join(timeout)
         if self._thread.is_alive():
             logger.warning("side-channel thread did not stop within %.1fs", timeout)
-        elif self._own_ctx:
+        else:
             self._ctx.term()
 
 
@@ -283,6 +280,7 @@ class SideChannelClient:
         self._all: list[zmq.Socket[Any]] = []
         self._lock = threading.Lock()
         self._closed = False
+        self._boots: dict[str, bytes] = {}  # endpoint -> its server's boot id (keyed)
 
     def _socket(self, endpoint: str, timeout_ms: int) -> zmq.Socket[Any]:
         cache: dict[str, zmq.Socket[Any]] = self._local.__dict__.setdefault("socks", {})
@@ -315,16 +313,40 @@ class SideChannelClient:
     ) -> dict[str, Any]:
         """Send ``msg`` and wait for the reply; raise ``KVTransferTimeout`` past the deadline."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
-        timeout_ms = max(1, int(timeout * 1000))
-        sock = self._socket(endpoint, timeout_ms)
-        nonce = os.urandom(NONCE_SIZE)
-        if self._auth is not None:
-            out = pack({**msg, "_ts": time.time(), "_nonce": nonce}, self._auth)
-        else:
-            out = pack(msg)
+        if self._auth is None:
+            reply = unpack(self._exchange(endpoint, pack(msg), timeout, msg))
+            if reply.get("reason") == "unauthenticated":
+                raise KVPayloadError(
+                    f"the sender at {endpoint} refused the request ({reply.get('error')}): it "
+                    f"requires an auth key; set the same auth_key_file (or {ENV_KEY_FILE}) here"
+                )
+            return reply
+        deadline = time.monotonic() + timeout
+        for _ in range(2):  # a server this client does not know yet first says ``retarget``
+            nonce = os.urandom(NONCE_SIZE)
+            boot = self._boots.get(endpoint, UNKNOWN_BOOT)
+            out = seal(msg, self._auth, nonce=nonce, boot=boot)
+            left = max(0.001, deadline - time.monotonic())
+            header, reply = self._keyed_reply(endpoint, self._exchange(endpoint, out, left, msg))
+            if header.nonce != nonce:
+                raise KVPayloadError(
+                    f"side-channel reply from {endpoint} does not answer this request (a "
+                    "replayed or misrouted reply)"
+                )
+            if reply.get("reason") != "retarget":
+                return reply
+            self._boots[endpoint] = header.boot  # the server's boot id: resend for it
+        raise KVPayloadError(
+            f"the sender at {endpoint} refused this request twice as meant for another server "
+            "process (retarget): its replies do not agree on its boot id"
+        )
+
+    def _exchange(self, endpoint: str, out: bytes, timeout: float, msg: dict[str, Any]) -> bytes:
+        """One request/reply on this thread's socket to ``endpoint``."""
+        sock = self._socket(endpoint, max(1, int(timeout * 1000)))
         try:
             sock.send(out)
-            raw = sock.recv()
+            return bytes(sock.recv())
         except zmq.Again:
             self._drop(endpoint)
             raise KVTransferTimeout(
@@ -334,20 +356,12 @@ class SideChannelClient:
         except zmq.ZMQError as e:
             self._drop(endpoint)
             raise KVTransferError(f"side-channel request to {endpoint} failed: {e}") from None
-        if self._auth is None:
-            reply = unpack(raw)
-            if reply.get("reason") == "unauthenticated":
-                raise KVPayloadError(
-                    f"the sender at {endpoint} refused the request ({reply.get('error')}): it "
-                    f"requires an auth key; set the same auth_key_file (or {ENV_KEY_FILE}) here"
-                )
-            return reply
-        return self._keyed_reply(endpoint, raw, nonce)
 
-    def _keyed_reply(self, endpoint: str, raw: bytes, nonce: bytes) -> dict[str, Any]:
+    def _keyed_reply(self, endpoint: str, raw: bytes) -> tuple[Header, dict[str, Any]]:
         assert self._auth is not None
-        body = authenticated_body(raw, self._auth, reply=True)
-        if body is None:
+        header = open_header(raw, self._auth, reply=True)
+        body = None if header is None else body_of(raw, header)
+        if header is None or body is None:
             try:
                 plain = unpack(raw)
             except KVTransferError:
@@ -362,13 +376,7 @@ class SideChannelClient:
                 f"has no auth key or another one: give every stage the same auth_key_file "
                 f"(or {ENV_KEY_FILE})"
             )
-        reply = unpack(body)
-        if reply.pop("_nonce", None) != nonce:
-            raise KVPayloadError(
-                f"side-channel reply from {endpoint} does not answer this request (a replayed "
-                "or misrouted reply)"
-            )
-        return reply
+        return header, unpack(body)
 
     def close(self) -> None:
         with self._lock:
