@@ -52,10 +52,11 @@ class PeerCap:
     def open_peers(self) -> int:
         return len(self._open)
 
-    def service(self) -> None:
-        """Count the connections opened and closed, then answer pending admissions."""
+    def service(self, most: int = 64) -> None:
+        """Count the connections opened and closed, then answer up to ``most`` pending
+        admissions (a storm of connections does not starve the socket's messages)."""
         self._drain_events()
-        while True:
+        for _ in range(most):
             try:
                 frames = self._zap.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:

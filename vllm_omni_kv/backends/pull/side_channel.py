@@ -63,14 +63,18 @@ MAX_MESSAGE = 1 << 20
 #: largest request a server accepts (requests are maps of a few hundred bytes); ZeroMQ
 #: drops the connection of a peer that sends more
 MAX_REQUEST = 16 << 10
-#: requests (and replies) a server queues per connection: a REQ client has one in flight
+#: requests a server queues per connection (a REQ client has one in flight)
 RCV_QUEUE = 2
+#: requests handled per wake-up of the server thread before it polls again
+BATCH = 16
+#: replies a server queues per connection: it learns what a peer read only when it polls,
+#: and a quick REQ client may get a reply per request of a batch, so BATCH + 2 never
+#: drops one of its replies (a peer that reads none loses those beyond)
+SND_QUEUE = BATCH + 2
 #: connections a server admits at a time (each client thread holds one per server)
 MAX_PEERS = 256
 #: a connection that has not finished ZeroMQ's handshake in this long is dropped
 HANDSHAKE_MS = 10_000
-#: requests handled per wake-up of the server thread before it serves admissions again
-BATCH = 64
 #: requests a server answers per second (a token bucket of this many, refilled continuously);
 #: beyond that it replies ``busy`` without running the handler, and clients retry
 MAX_RATE = 20000.0
@@ -138,7 +142,7 @@ class SideChannelServer:
             (zmq.LINGER, 0),
             (zmq.MAXMSGSIZE, MAX_REQUEST),
             (zmq.RCVHWM, RCV_QUEUE),
-            (zmq.SNDHWM, RCV_QUEUE),
+            (zmq.SNDHWM, SND_QUEUE),
             (zmq.HANDSHAKE_IVL, HANDSHAKE_MS),
         ):
             self._sock.setsockopt(opt, value)
