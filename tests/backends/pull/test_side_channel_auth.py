@@ -5,6 +5,8 @@ the header's MAC is checked before the body is hashed."""
 from __future__ import annotations
 
 import os
+import socket
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -13,10 +15,10 @@ from typing import Any
 import msgpack
 import pytest
 import torch
-import zmq
 
 from vllm_omni_kv.backends.pull.envelope import OVERHEAD, body_of, open_header, seal
 from vllm_omni_kv.backends.pull.side_channel import (
+    MAX_REQUEST,
     MAX_SKEW_S,
     UNKNOWN_BOOT,
     SideChannelClient,
@@ -27,24 +29,17 @@ from vllm_omni_kv.errors import KVPayloadError
 from vllm_omni_kv.wire.auth import AuthKey
 
 from ..conformance import te_config, wait_until
+from .raw_peer import connect, raw_request, read_frame
 
 KEY = AuthKey(b"side-channel-key-" + bytes(range(32)))
 OTHER = AuthKey(b"another-channel-key-" + bytes(range(32)))
 
 
-def _raw(endpoint: str, payload: bytes, timeout_ms: int = 2000) -> bytes:
-    """One request from a bare REQ socket (what anyone on the network can send)."""
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.REQ)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
-    try:
-        sock.connect(endpoint)
-        sock.send(payload)
-        return bytes(sock.recv())
-    finally:
-        sock.close(0)
-        ctx.term()
+def _raw(endpoint: str, payload: bytes) -> bytes:
+    """One request from a bare TCP socket (what anyone on the network can send)."""
+    reply = raw_request(endpoint, payload)
+    assert reply is not None, "the server closed the connection without a reply"
+    return reply
 
 
 def _request(
@@ -197,26 +192,27 @@ def test_keyed_client_refuses_an_unkeyed_server() -> None:
 
 
 def _forging_server(make_reply: Any) -> tuple[str, threading.Event, threading.Thread]:
-    """A ROUTER that answers each request with ``make_reply(request_bytes)``."""
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    """A server that answers each request with ``make_reply(request_bytes)``."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.05)
     stop = threading.Event()
 
     def serve() -> None:
-        try:
+        with listener:
             while not stop.is_set():
-                if sock.poll(50):
-                    ident, _empty, payload = sock.recv_multipart()
-                    sock.send_multipart([ident, b"", make_reply(payload)])
-        finally:
-            sock.close(0)
-            ctx.term()
+                try:
+                    conn, _ = listener.accept()
+                except TimeoutError:
+                    continue
+                with conn:
+                    conn.settimeout(5)
+                    while (payload := read_frame(conn)) is not None:
+                        reply = make_reply(payload)
+                        conn.sendall(struct.pack(">I", len(reply)) + reply)
 
     t = threading.Thread(target=serve, daemon=True)
     t.start()
-    return f"tcp://127.0.0.1:{port}", stop, t
+    return f"tcp://127.0.0.1:{listener.getsockname()[1]}", stop, t
 
 
 def _nonce_of(payload: bytes) -> bytes:
@@ -317,12 +313,49 @@ def test_refused_requests_are_charged_to_the_bucket(keyed: _Server) -> None:
     assert not any(c.get("x") == 2 for c in keyed.calls), "the refusals cost nothing"
 
 
-def test_a_request_over_the_size_bound_is_dropped() -> None:
+def test_a_request_over_the_size_bound_is_dropped_unread() -> None:
     server = SideChannelServer("127.0.0.1", 0, lambda m: {"ok": True})
     try:
         endpoint = f"tcp://127.0.0.1:{server.port}"
-        with pytest.raises(zmq.Again):  # zmq drops the peer: no reply ever comes
-            _raw(endpoint, pack({"op": "acquire", "pad": b"x" * (1 << 20)}), timeout_ms=500)
+        big = pack({"op": "acquire", "pad": b"x" * MAX_REQUEST})
+        assert raw_request(endpoint, big) is None  # the connection goes, no reply
+        with connect(endpoint) as sock:  # only the length prefix is ever read
+            sock.sendall(struct.pack(">I", 1 << 30))
+            assert read_frame(sock) is None
         assert _plain_reply(_raw(endpoint, pack({"op": "acquire"})))["ok"]
     finally:
+        server.close()
+
+
+def test_a_stalled_request_loses_its_connection() -> None:
+    server = SideChannelServer("127.0.0.1", 0, lambda m: {"ok": True}, stall_s=0.5)
+    try:
+        with connect(server.endpoint, timeout=5.0) as sock:
+            sock.sendall(struct.pack(">I", 100) + b"\x80")  # 1 of 100 bytes, then nothing
+            t0 = time.monotonic()
+            assert read_frame(sock) is None
+            assert 0.4 <= time.monotonic() - t0 < 3.0
+        assert server.open_peers == 0
+    finally:
+        server.close()
+
+
+def test_beyond_the_peer_cap_a_new_connection_replaces_an_idle_one_or_is_closed() -> None:
+    server = SideChannelServer("127.0.0.1", 0, lambda m: {"ok": True}, max_peers=4)
+    socks = [connect(server.endpoint) for _ in range(4)]
+    try:
+        assert wait_until(lambda: server.open_peers == 4, 5)
+        for s in socks:  # busy peers: each in the middle of a request
+            s.sendall(struct.pack(">I", 100))
+        assert raw_request(server.endpoint, pack({"op": "ping"})) is None  # closed at once
+        assert server.refused_peers >= 1 and server.open_peers == 4
+        for s in socks:  # the requests end; the peers go idle
+            s.sendall(pack({"pad": b"x" * 93}))
+            assert read_frame(s) is not None
+        time.sleep(1.1)  # idle long enough to be evicted
+        assert _plain_reply(_raw(server.endpoint, pack({"op": "ping"})))["ok"]
+        assert server.open_peers <= 4
+    finally:
+        for s in socks:
+            s.close()
         server.close()

@@ -47,6 +47,7 @@ from vllm_omni_kv.backends.pull.pull_stream import (
 from vllm_omni_kv.backends.pull.sender_ops import SenderOps
 from vllm_omni_kv.backends.pull.sender_requests import SenderEndpoints, SenderRequests
 from vllm_omni_kv.backends.pull.side_channel import (
+    MAX_RATE,
     PORT_KEYS,
     SideChannelServer,
     sender_zmq_port,
@@ -72,7 +73,7 @@ class PullTransferConnector(OmniConnectorBase):
     CONFIG_KEYS: ClassVar[frozenset[str]] = PORT_KEYS | frozenset(
         "role host memory_pool_size memory_pool_device max_pulls buffer_ttl_s transfer_timeout_s "
         "side_channel_timeout_s get_timeout_s raise_on_timeout frame_checksum lease_slack_s "
-        "sender_host sender_zmq_port auth_key_file".split()
+        "sender_host sender_zmq_port auth_key_file side_channel_max_rate".split()
     )
 
     def __init__(self, config: dict[str, Any] | None = None) -> None:
@@ -122,6 +123,7 @@ class PullTransferConnector(OmniConnectorBase):
             self.buffer_ttl_s = float(cfg.get("buffer_ttl_s", 300.0))
             self.transfer_timeout_s = float(cfg.get("transfer_timeout_s", 30.0))
             self.side_channel_timeout_s = float(cfg.get("side_channel_timeout_s", 5.0))
+            self.max_rate = float(cfg.get("side_channel_max_rate", MAX_RATE))
             self.get_timeout_s = float(cfg.get("get_timeout_s", 0.0))
             self.raise_on_timeout = bool(cfg.get("raise_on_timeout", False))
             self.frame_checksum = bool(cfg.get("frame_checksum", True))
@@ -129,9 +131,10 @@ class PullTransferConnector(OmniConnectorBase):
             self.zmq_port = sender_zmq_port(cfg) if self.can_put else 0
         except (TypeError, ValueError) as e:
             raise ConfigError(f"{type(self).__name__}: bad numeric setting: {e}") from None
-        if self.max_pulls < 0 or self.buffer_ttl_s <= 0 or self.transfer_timeout_s <= 0:
+        if min(self.max_pulls + 1, self.buffer_ttl_s, self.transfer_timeout_s, self.max_rate) <= 0:
             raise ConfigError(
-                "max_pulls >= 0, buffer_ttl_s > 0 and transfer_timeout_s > 0 required"
+                "max_pulls >= 0, buffer_ttl_s, transfer_timeout_s and side_channel_max_rate > 0 "
+                "required"
             )
         self.auth = auth_of(cfg)  # side-channel MACs (frames are keyed by the session)
         self.pool_device = str(cfg.get("memory_pool_device", "cpu"))
@@ -148,6 +151,7 @@ class PullTransferConnector(OmniConnectorBase):
                 on_idle=self._exposed.sweep,
                 idle_interval_s=min(0.5, self.buffer_ttl_s / 4),
                 auth=self.auth,
+                max_rate=self.max_rate,
             )
             self.zmq_port = self._server.port
         self._client = SenderRequests(self.side_channel_timeout_s, self.engine_id, auth=self.auth)
@@ -420,8 +424,8 @@ class PullTransferConnector(OmniConnectorBase):
         if not self._closed:
             out.update(self.pool.stats())
         if self._server is not None:  # side-channel connections now, and refused for the cap
-            out["peers"] = self._server.peers.open_peers
-            out["peers_refused"] = self._server.peers.refused
+            out["peers"] = self._server.open_peers
+            out["peers_refused"] = self._server.refused_peers
         return out
 
     def close(self) -> None:

@@ -1,16 +1,16 @@
-"""A small ZMQ request/reply side channel with msgpack messages and bounded waits.
+"""A small request/reply side channel over TCP: msgpack maps, bounded memory and waits.
 
-The server is one ROUTER socket served by one background thread; the client
-uses a REQ socket per (thread, endpoint) with ``RCVTIMEO``/``SNDTIMEO`` so a
-dead or stuck peer surfaces as :class:`KVTransferTimeout` instead of a hang.
-After a timeout the REQ socket is discarded (its state machine is stuck) and a
-fresh one is made on the next call. Messages are msgpack maps only (no pickle).
+The server (:class:`SideChannelServer`) is one listening socket served by one background
+thread; the client (:class:`~.channel_client.SideChannelClient`) keeps one connection per
+(thread, server). Messages are length-prefixed msgpack maps (:mod:`.framing`; no pickle).
 
-Memory: a server admits at most :data:`MAX_PEERS` connections at a time
-(:mod:`.peer_cap`; a connection beyond them is closed by ZeroMQ before it carries a
-message), queues at most :data:`RCV_QUEUE` requests per connection and drops a
-connection that sends a request over :data:`MAX_REQUEST` bytes: queued requests take at
-most ``MAX_PEERS * (RCV_QUEUE + 1) * MAX_REQUEST`` bytes (12 MiB) in all.
+Memory: a server holds at most :data:`MAX_PEERS` connections (a new one beyond them takes
+the place of the longest idle, when one has been idle :data:`EVICT_IDLE_S`, or is closed
+at once), reads at most one request of at most :data:`MAX_REQUEST` bytes per connection
+at a time (a longer one closes the connection before a byte of it is read) and reads the
+next only once its reply went out. So what it buffers for its peers is at most
+``MAX_PEERS * (MAX_REQUEST + one reply)``: 4.3 MiB with replies of 1 KiB. A connection
+that stalls mid-request or does not take its reply for :data:`STALL_S` is closed.
 
 With an auth key (:mod:`vllm_omni_kv.wire.auth`) on both ends, every message is a
 keyed envelope (:mod:`.envelope`): a header with a timestamp, a nonce, the boot id of
@@ -22,59 +22,59 @@ without running the handler, a request with a wrong MAC, a timestamp more than
 the one its header names. A request for another boot id (another server, or this one
 before a restart) is refused with a sealed ``retarget`` reply carrying this server's
 boot id; the client then resends once. Replies are sealed with the request's nonce, so
-a client accepts only the reply to its own request. A reply that fails this, or a
-refusal as unauthenticated, raises :class:`KVPayloadError` at the client (refused, not
-retried: the keys differ). Refusals cost the rate bucket like requests.
+a client accepts only the reply to its own request. Refusals cost the rate bucket like
+requests.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import selectors
+import socket
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
-import zmq
-
-from vllm_omni_kv.backends.pull.envelope import (
-    BOOT_SIZE,
-    NONCE_SIZE,
-    Header,
-    KeyedGate,
-    body_of,
-    open_header,
-    seal,
+from vllm_omni_kv.backends.pull.channel_client import UNKNOWN_BOOT, SideChannelClient
+from vllm_omni_kv.backends.pull.envelope import BOOT_SIZE, Header, KeyedGate, seal
+from vllm_omni_kv.backends.pull.framing import (
+    LENGTH,
+    MAX_MESSAGE,
+    MAX_REQUEST,
+    frame,
+    pack,
+    unpack,
 )
-from vllm_omni_kv.backends.pull.peer_cap import PeerCap
-from vllm_omni_kv.errors import KVPayloadError, KVTransferError, KVTransferTimeout
+from vllm_omni_kv.errors import KVTransferError
 from vllm_omni_kv.kvcache.kv_utils import kv_zmq_port, sender_rank_port
 from vllm_omni_kv.logger import init_logger
-from vllm_omni_kv.wire.auth import ENV_KEY_FILE, AuthKey
+from vllm_omni_kv.wire.auth import AuthKey
+
+__all__ = [
+    "MAX_MESSAGE",
+    "MAX_REQUEST",
+    "PORT_KEYS",
+    "UNKNOWN_BOOT",
+    "SideChannelClient",
+    "SideChannelServer",
+    "pack",
+    "sender_zmq_port",
+    "unpack",
+]
 
 logger = init_logger(__name__)
 
 Handler = Callable[[dict[str, Any]], dict[str, Any]]
 
-#: largest reply a client accepts
-MAX_MESSAGE = 1 << 20
-#: largest request a server accepts (requests are maps of a few hundred bytes); ZeroMQ
-#: drops the connection of a peer that sends more
-MAX_REQUEST = 16 << 10
-#: requests a server queues per connection (a REQ client has one in flight)
-RCV_QUEUE = 2
-#: requests handled per wake-up of the server thread before it polls again
-BATCH = 16
-#: replies a server queues per connection: it learns what a peer read only when it polls,
-#: and a quick REQ client may get a reply per request of a batch, so BATCH + 2 never
-#: drops one of its replies (a peer that reads none loses those beyond)
-SND_QUEUE = BATCH + 2
-#: connections a server admits at a time (each client thread holds one per server)
+#: connections a server holds at a time (each client thread keeps one per server)
 MAX_PEERS = 256
-#: a connection that has not finished ZeroMQ's handshake in this long is dropped
-HANDSHAKE_MS = 10_000
+#: at the cap, a new connection replaces one idle at least this long (else it is closed)
+EVICT_IDLE_S = 1.0
+#: a connection stalled this long mid-request, or not taking its reply, is closed
+STALL_S = 10.0
 #: requests a server answers per second (a token bucket of this many, refilled continuously);
 #: beyond that it replies ``busy`` without running the handler, and clients retry
 MAX_RATE = 20000.0
@@ -84,33 +84,32 @@ EXEMPT_OPS = frozenset({"release"})
 MAX_SKEW_S = 30.0
 #: nonces a keyed server remembers (each for ``2 * MAX_SKEW_S``); beyond this it answers busy
 MAX_NONCES = 1 << 18
-#: the boot id a client sends before it learnt the server's (always answered ``retarget``)
-UNKNOWN_BOOT = bytes(BOOT_SIZE)
 
 
-def pack(msg: dict[str, Any]) -> bytes:
-    """An unkeyed message's bytes (msgpack)."""
-    out: bytes = msgpack.packb(msg, use_bin_type=True)
-    return out
+@dataclass(eq=False)
+class _Peer:
+    """One connection: the request being read (length prefix, then body) or the reply
+    being written; never both."""
 
+    sock: socket.socket
+    since: float  # when it last made progress (read or written bytes, or went idle)
+    buf: bytearray = field(default_factory=bytearray)
+    need: int = LENGTH.size  # bytes still to read of the current part
+    body: bool = False  # reading the body (else the length prefix)
+    out: memoryview | None = None  # the reply still to write
 
-def unpack(raw: bytes) -> dict[str, Any]:
-    try:
-        msg = msgpack.unpackb(raw, raw=False, strict_map_key=False)
-    except Exception as e:
-        raise KVTransferError(f"side-channel message is not valid msgpack: {e}") from None
-    if not isinstance(msg, dict):
-        raise KVTransferError(f"side-channel message must be a map, got {type(msg).__name__}")
-    return msg
+    @property
+    def idle(self) -> bool:
+        return not self.buf and not self.body and self.out is None
 
 
 class SideChannelServer:
     """Serve ``handler(request) -> reply`` on ``tcp://host:port`` from a daemon thread.
 
-    ``port=0`` binds a random free port (see :attr:`port`). ``on_idle`` runs
-    between messages at least every ``idle_interval_s`` (used for TTL sweeps). The
-    server owns its ZMQ context (its peer cap answers the context's one ZAP endpoint);
-    :attr:`boot` is its boot id, random per server.
+    ``port=0`` binds a random free port (see :attr:`port`). ``on_idle`` runs between
+    requests at least every ``idle_interval_s`` (used for TTL sweeps). :attr:`boot` is
+    the server's boot id, random per server; :attr:`open_peers` and :attr:`refused_peers`
+    count its connections now and those closed for the cap.
     """
 
     def __init__(
@@ -125,6 +124,7 @@ class SideChannelServer:
         max_rate: float = MAX_RATE,
         auth: AuthKey | None = None,
         max_peers: int = MAX_PEERS,
+        stall_s: float = STALL_S,
     ) -> None:
         self._handler = handler
         self._auth = auth
@@ -136,33 +136,21 @@ class SideChannelServer:
         self._refilled = time.monotonic()
         self._on_idle = on_idle
         self._idle_interval = max(0.01, idle_interval_s)
-        self._ctx: zmq.Context[Any] = zmq.Context()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        for opt, value in (
-            (zmq.LINGER, 0),
-            (zmq.MAXMSGSIZE, MAX_REQUEST),
-            (zmq.RCVHWM, RCV_QUEUE),
-            (zmq.SNDHWM, SND_QUEUE),
-            (zmq.HANDSHAKE_IVL, HANDSHAKE_MS),
-        ):
-            self._sock.setsockopt(opt, value)
-        self.peers = PeerCap(self._ctx, self._sock, max_peers)
+        self.max_peers, self.stall_s = max_peers, stall_s
+        self.refused_peers = 0
+        self._peers: dict[socket.socket, _Peer] = {}
         try:
-            if port == 0:
-                self.port = self._sock.bind_to_random_port(f"tcp://{host}")
-            else:
-                self._sock.bind(f"tcp://{host}:{port}")
-                self.port = port
-        except zmq.ZMQError as e:
-            self.peers.close()
-            self._sock.close(0)
-            self._ctx.term()
+            self._listener = socket.create_server((host, port), backlog=128)
+        except OSError as e:
             raise KVTransferError(
                 f"cannot bind the side channel on tcp://{host}:{port}: {e}. Another process "
                 "(or another TP rank) already uses this port: give each sender its own "
                 "zmq_port / local_rank, or set zmq_port=0 for a random port"
             ) from None
-        self.host = host
+        self._listener.setblocking(False)
+        self.host, self.port = host, int(self._listener.getsockname()[1])
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self._listener, selectors.EVENT_READ)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
@@ -171,43 +159,136 @@ class SideChannelServer:
     def endpoint(self) -> str:
         return f"tcp://{self.host}:{self.port}"
 
-    def _serve(self) -> None:
-        poller = zmq.Poller()
-        for s in (self._sock, *self.peers.sockets):
-            poller.register(s, zmq.POLLIN)
-        next_idle = time.monotonic() + self._idle_interval
-        poll_ms = int(min(self._idle_interval, 0.05) * 1000)  # also bounds close() latency
-        while not self._stop.is_set():
-            try:
-                events = dict(poller.poll(poll_ms))
-            except zmq.ZMQError:
-                if self._stop.is_set():
-                    break
-                raise
-            self.peers.service()
-            if self._sock in events:
-                for _ in range(BATCH):
-                    if not self._handle_one():
-                        break
-            now = time.monotonic()
-            if self._on_idle is not None and now >= next_idle:
-                next_idle = now + self._idle_interval
-                try:
-                    self._on_idle()
-                except Exception:
-                    logger.exception("side-channel idle callback failed")
-        self.peers.close()
-        self._sock.close(0)
+    @property
+    def open_peers(self) -> int:
+        return len(self._peers)
 
-    def _handle_one(self) -> bool:
-        """Answer one queued request; False when none is queued."""
+    # -- the serving thread --------------------------------------------------------------
+    def _serve(self) -> None:
+        next_idle = next_sweep = time.monotonic() + self._idle_interval
+        wait = min(self._idle_interval, 0.05)  # also bounds close() latency
         try:
-            frames = self._sock.recv_multipart(zmq.NOBLOCK)
-        except zmq.Again:
+            while not self._stop.is_set():
+                for key, mask in self._sel.select(wait):
+                    if key.fileobj is self._listener:
+                        self._accept()
+                        continue
+                    peer: _Peer = key.data
+                    if self._peers.get(peer.sock) is peer:  # not closed earlier in this batch
+                        self._flush(peer) if mask & selectors.EVENT_WRITE else self._read(peer)
+                now = time.monotonic()
+                if now >= next_sweep:
+                    next_sweep = now + min(1.0, self.stall_s / 4)
+                    self._drop_stalled(now)
+                if self._on_idle is not None and now >= next_idle:
+                    next_idle = now + self._idle_interval
+                    try:
+                        self._on_idle()
+                    except Exception:
+                        logger.exception("side-channel idle callback failed")
+        finally:
+            for peer in list(self._peers.values()):
+                self._close(peer)
+            self._sel.close()
+            self._listener.close()
+
+    def _accept(self) -> None:
+        for _ in range(64):
+            try:
+                sock, _addr = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:  # out of file descriptors: leave it in the backlog a while
+                logger.warning("side channel cannot accept a connection: %s", e)
+                time.sleep(0.01)
+                return
+            now = time.monotonic()
+            if len(self._peers) >= self.max_peers and not self._evict_idle(now):
+                self.refused_peers += 1
+                sock.close()
+                continue
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            peer = self._peers[sock] = _Peer(sock, now)
+            self._sel.register(sock, selectors.EVENT_READ, peer)
+
+    def _evict_idle(self, now: float) -> bool:
+        """Close the connection idle the longest, when one was idle ``EVICT_IDLE_S``."""
+        idle = [p for p in self._peers.values() if p.idle and now - p.since >= EVICT_IDLE_S]
+        if not idle:
             return False
-        if len(frames) < 3:  # ROUTER: identity, empty delimiter (REQ), payload
-            return True
-        ident, payload = frames[0], frames[-1]
+        self._close(min(idle, key=lambda p: p.since))
+        return True
+
+    def _drop_stalled(self, now: float) -> None:
+        for peer in list(self._peers.values()):
+            if not peer.idle and now - peer.since > self.stall_s:
+                logger.debug("side channel closed a connection stalled for %.0fs", self.stall_s)
+                self._close(peer)
+
+    def _close(self, peer: _Peer) -> None:
+        self._peers.pop(peer.sock, None)
+        try:
+            self._sel.unregister(peer.sock)
+        except (KeyError, ValueError):
+            pass
+        peer.sock.close()
+
+    def _read(self, peer: _Peer) -> None:
+        """Read what the current part still needs (never past it); answer a whole request."""
+        try:
+            data = peer.sock.recv(peer.need)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._close(peer)
+            return
+        peer.buf += data
+        peer.need -= len(data)
+        peer.since = time.monotonic()
+        if peer.need:
+            return
+        if not peer.body:
+            (n,) = LENGTH.unpack(peer.buf)
+            if n > MAX_REQUEST:  # never read: the connection goes
+                logger.debug("side channel dropped a %d-byte request (at most %d)", n, MAX_REQUEST)
+                self._close(peer)
+                return
+            peer.body, peer.need, peer.buf = True, n, bytearray()
+            if n:
+                return
+        payload = bytes(peer.buf)
+        peer.buf, peer.body, peer.need = bytearray(), False, LENGTH.size
+        self._write(peer, memoryview(frame(self._answer(payload))))
+
+    def _write(self, peer: _Peer, out: memoryview) -> None:
+        """Send what the socket takes now; wait for writability (reading nothing) for the rest."""
+        try:
+            sent = peer.sock.send(out)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:
+            self._close(peer)
+            return
+        rest = out[sent:]
+        peer.since = time.monotonic()
+        if rest.nbytes:
+            if peer.out is None:
+                self._sel.modify(peer.sock, selectors.EVENT_WRITE, peer)
+            peer.out = rest
+        elif peer.out is not None:
+            peer.out = None
+            self._sel.modify(peer.sock, selectors.EVENT_READ, peer)
+
+    def _flush(self, peer: _Peer) -> None:
+        if peer.out is not None:
+            self._write(peer, peer.out)
+
+    # -- one request ---------------------------------------------------------------------
+    def _answer(self, payload: bytes) -> bytes:
+        """The reply to one request (sealed when the request was)."""
         now = time.monotonic()
         self._tokens = min(self._rate, self._tokens + (now - self._refilled) * self._rate)
         self._refilled = now
@@ -217,8 +298,7 @@ class SideChannelServer:
                 body, header, refusal = self._gate.open(payload, now)
                 if body is None:
                     self._refused(refusal, now)
-                    self._reply(ident, refusal, header)
-                    return True
+                    return self._sealed(refusal, header)
                 msg = unpack(body)
             else:
                 msg = unpack(payload)
@@ -234,8 +314,7 @@ class SideChannelServer:
         except Exception as e:
             logger.exception("side-channel handler failed")
             reply = {"ok": False, "reason": "error", "error": f"{type(e).__name__}: {e}"}
-        self._reply(ident, reply, header)
-        return True
+        return self._sealed(reply, header)
 
     def _refused(self, refusal: dict[str, Any], now: float) -> None:
         """A request the gate refused: it costs the bucket; warn at most every 10 s."""
@@ -244,154 +323,20 @@ class SideChannelServer:
             self._refusal_logged = now
             logger.warning("side channel refused a request: %s", refusal.get("error"))
 
-    def _reply(self, ident: bytes, reply: dict[str, Any], header: Header | None) -> None:
-        """Send ``reply``; sealed (with the request's nonce) when ``header`` is given."""
+    def _sealed(self, reply: dict[str, Any], header: Header | None) -> bytes:
+        """``reply``'s bytes; sealed (with the request's nonce) when ``header`` is given."""
         if header is not None and self._auth is not None:
-            raw = seal(reply, self._auth, nonce=header.nonce, boot=self.boot, reply=True)
-        else:
-            raw = pack(reply)
-        try:
-            self._sock.send_multipart([ident, b"", raw], zmq.NOBLOCK)
-        except zmq.ZMQError as e:  # the requester went away; nothing to do
-            logger.debug("side-channel reply dropped: %s", e)
+            return seal(reply, self._auth, nonce=header.nonce, boot=self.boot, reply=True)
+        return pack(reply)
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop the thread and close the socket; idempotent."""
+        """Stop the thread and close every socket; idempotent."""
         if self._stop.is_set():
             return
         self._stop.set()
         self._thread.join(timeout)
         if self._thread.is_alive():
             logger.warning("side-channel thread did not stop within %.1fs", timeout)
-        else:
-            self._ctx.term()
-
-
-class SideChannelClient:
-    """Thread-safe request/reply client with a per-request deadline (keyed with ``auth``)."""
-
-    def __init__(
-        self,
-        timeout_s: float = 5.0,
-        ctx: zmq.Context[Any] | None = None,
-        auth: AuthKey | None = None,
-    ) -> None:
-        self.timeout_s = timeout_s
-        self._auth = auth
-        self._own_ctx = ctx is None
-        self._ctx = ctx or zmq.Context()
-        self._local = threading.local()
-        self._all: list[zmq.Socket[Any]] = []
-        self._lock = threading.Lock()
-        self._closed = False
-        self._boots: dict[str, bytes] = {}  # endpoint -> its server's boot id (keyed)
-
-    def _socket(self, endpoint: str, timeout_ms: int) -> zmq.Socket[Any]:
-        cache: dict[str, zmq.Socket[Any]] = self._local.__dict__.setdefault("socks", {})
-        sock = cache.get(endpoint)
-        if sock is None:
-            with self._lock:
-                if self._closed:
-                    raise KVTransferError("side-channel client is closed")
-                sock = self._ctx.socket(zmq.REQ)
-                self._all.append(sock)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
-            sock.connect(endpoint)
-            cache[endpoint] = sock
-        sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
-        sock.setsockopt(zmq.SNDTIMEO, timeout_ms)
-        return sock
-
-    def _drop(self, endpoint: str) -> None:
-        cache: dict[str, zmq.Socket[Any]] = self._local.__dict__.setdefault("socks", {})
-        sock = cache.pop(endpoint, None)
-        if sock is not None:
-            with self._lock:
-                if sock in self._all:
-                    self._all.remove(sock)
-            sock.close(0)
-
-    def request(
-        self, endpoint: str, msg: dict[str, Any], timeout_s: float | None = None
-    ) -> dict[str, Any]:
-        """Send ``msg`` and wait for the reply; raise ``KVTransferTimeout`` past the deadline."""
-        timeout = self.timeout_s if timeout_s is None else timeout_s
-        if self._auth is None:
-            reply = unpack(self._exchange(endpoint, pack(msg), timeout, msg))
-            if reply.get("reason") == "unauthenticated":
-                raise KVPayloadError(
-                    f"the sender at {endpoint} refused the request ({reply.get('error')}): it "
-                    f"requires an auth key; set the same auth_key_file (or {ENV_KEY_FILE}) here"
-                )
-            return reply
-        deadline = time.monotonic() + timeout
-        for _ in range(2):  # a server this client does not know yet first says ``retarget``
-            nonce = os.urandom(NONCE_SIZE)
-            boot = self._boots.get(endpoint, UNKNOWN_BOOT)
-            out = seal(msg, self._auth, nonce=nonce, boot=boot)
-            left = max(0.001, deadline - time.monotonic())
-            header, reply = self._keyed_reply(endpoint, self._exchange(endpoint, out, left, msg))
-            if header.nonce != nonce:
-                raise KVPayloadError(
-                    f"side-channel reply from {endpoint} does not answer this request (a "
-                    "replayed or misrouted reply)"
-                )
-            if reply.get("reason") != "retarget":
-                return reply
-            self._boots[endpoint] = header.boot  # the server's boot id: resend for it
-        raise KVPayloadError(
-            f"the sender at {endpoint} refused this request twice as meant for another server "
-            "process (retarget): its replies do not agree on its boot id"
-        )
-
-    def _exchange(self, endpoint: str, out: bytes, timeout: float, msg: dict[str, Any]) -> bytes:
-        """One request/reply on this thread's socket to ``endpoint``."""
-        sock = self._socket(endpoint, max(1, int(timeout * 1000)))
-        try:
-            sock.send(out)
-            return bytes(sock.recv())
-        except zmq.Again:
-            self._drop(endpoint)
-            raise KVTransferTimeout(
-                f"no reply from {endpoint} to {msg.get('op')!r} within {timeout:.1f}s: the sender "
-                "process is gone, stuck, or unreachable (check its host/zmq_port and firewall)"
-            ) from None
-        except zmq.ZMQError as e:
-            self._drop(endpoint)
-            raise KVTransferError(f"side-channel request to {endpoint} failed: {e}") from None
-
-    def _keyed_reply(self, endpoint: str, raw: bytes) -> tuple[Header, dict[str, Any]]:
-        assert self._auth is not None
-        header = open_header(raw, self._auth, reply=True)
-        body = None if header is None else body_of(raw, header)
-        if header is None or body is None:
-            try:
-                plain = unpack(raw)
-            except KVTransferError:
-                plain = {}
-            why = (
-                f": it refused the request ({plain.get('error')})"
-                if plain.get("reason") == "unauthenticated"
-                else ""
-            )
-            raise KVPayloadError(
-                f"side-channel reply from {endpoint} is not authenticated{why}; the sender "
-                f"has no auth key or another one: give every stage the same auth_key_file "
-                f"(or {ENV_KEY_FILE})"
-            )
-        return header, unpack(body)
-
-    def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            socks, self._all = self._all, []
-        for s in socks:
-            s.close(0)
-        if self._own_ctx:
-            self._ctx.term()
 
 
 #: the settings :func:`sender_zmq_port` reads
