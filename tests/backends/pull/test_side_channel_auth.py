@@ -1,4 +1,4 @@
-"""The keyed side channel: bare ZMQ clients without the key, with another key, or replaying
+"""The keyed side channel: bare TCP clients without the key, with another key, or replaying
 a captured request are refused and never reach the handler; forged replies fail the client;
 the header's MAC is checked before the body is hashed."""
 

@@ -12,6 +12,8 @@ at the body, so a message made without the key costs a hash of its header, whate
 size; the body is hashed only under an authentic header. ``ts`` is the sender's wall
 clock, ``nonce`` 16 random bytes (a reply echoes its request's), ``boot`` the boot id of
 the server process the request is for (a reply carries its own server's).
+:class:`KeyedGate` is a server's check of a request's envelope (MAC, clock, boot id,
+replay, body) before any handler sees it.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Data path (sender -> receiver):
    ``ManagedBuffer`` of that pool is exposed as is (zero copy), a tensor or
    bytes are copied once, any other object is laid out with
    :func:`codec.encode` and packed straight into the pool (one copy).
-2. ``open_stream``: the receiver learns address, size and kind over the ZMQ
+2. ``open_stream``: the receiver learns address, size and kind over the TCP
    side channel (``acquire`` grants a lease so the TTL sweeper cannot free the
    block mid-transfer), allocates a block of its own pool sized for the whole
    frame and pulls just prelude, header and digest trailer with the engine's
