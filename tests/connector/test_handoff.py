@@ -47,6 +47,7 @@ class Port:
         self.reading: set[str] = set()  # holds a consumer is copying under
         self.taken_back: list[str] = []
         self.revoked: list[str] = []
+        self.expired_holds: list[str] = []
 
     def lease_until(self, key: str) -> float | None:
         return self.lease.get(key, 0.0)
@@ -64,6 +65,10 @@ class Port:
         if hold in self.reading:
             return False
         self.taken_back.append(hold)
+        return True
+
+    def expire_hold(self, hold: str) -> bool:
+        self.expired_holds.append(hold)  # marked and gone; its reader's copy will fail
         return True
 
 
@@ -107,9 +112,9 @@ def test_which_payloads_let_vllm_free_the_blocks() -> None:
 
 
 # -- the owner: lease timer edges --------------------------------------------------------
-def _owner(ttl: float = 1.0) -> tuple[ProducerHandoffs, Port]:
+def _owner(ttl: float = 1.0, grace: float = 30.0) -> tuple[ProducerHandoffs, Port]:
     port = Port()
-    return ProducerHandoffs(port, ttl, timer=False), port
+    return ProducerHandoffs(port, ttl, grace=grace, timer=False), port
 
 
 def test_a_lease_is_due_exactly_at_its_deadline() -> None:
@@ -169,6 +174,19 @@ def test_a_shared_payload_being_read_at_its_deadline_is_claimed_then_released() 
     port.released.add("h")
     own.check(h.deadline + 6)
     assert h.state is S.RELEASED and own.expired == 0
+
+
+def test_a_claim_past_the_lease_and_its_grace_is_taken_back_from_its_reader() -> None:
+    own, port = _owner(grace=2.0)
+    h = own.published("r", "k", hold="h")
+    port.reading.add("h")  # a reader holds it and never lets go (stopped, stuck)
+    own.check(h.deadline)
+    own.check(h.deadline + 2.0 - 1e-6)
+    assert h.state is S.CLAIMED and not port.expired_holds and own.done({"r"}) == set()
+    own.check(h.deadline + 2.0)
+    assert h.state is S.EXPIRED and port.expired_holds == ["h"]
+    assert port.withdrawn == [("k", 1)] and own.expired == 1
+    assert own.done(set()) == {"r"}, "vLLM may free the blocks now"
 
 
 def test_a_claimed_payload_whose_reader_died_expires() -> None:

@@ -1,15 +1,21 @@
 """When a producer lets vLLM free the blocks of a one-copy send (:mod:`.handoff`), on a real
 shared-memory backend with the cache in its region: only once vLLM finished the request
-and the consumer released the hold; never while a consumer copies; after the lease when
-nobody came; at once for an aborted request."""
+and the consumer released the hold; never while a consumer copies, unless it holds them
+past the lease and its grace (a stopped reader process, whose copy then fails); after the
+lease when nobody came; at once for an aborted request."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,7 +35,7 @@ BLOCKS, HEADS, BS, DIM, LAYERS = 64, 2, 32, 64, 2
 
 
 class Producer:
-    def __init__(self, ttl: float) -> None:
+    def __init__(self, ttl: float, grace: float = 30.0, timer: bool = False) -> None:
         self.ns = f"pytest-sends-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.backend = SharedMemoryConnector({"namespace": self.ns, "share_cache": True})
         region = self.backend.cache_region
@@ -47,7 +53,7 @@ class Producer:
         export = PageExport.create(region, self.layers, "shm")
         assert export is not None, "the cache was allocated in the region"
         self.export = export
-        self.sends = ProducerHandoffs(self.session, ttl, timer=False)
+        self.sends = ProducerHandoffs(self.session, ttl, grace=grace, timer=timer)
 
     def send(self, req: str) -> str:
         """Publish a one-copy payload for ``req``; return its hold."""
@@ -189,3 +195,83 @@ def test_a_copy_that_ends_before_a_preemption_is_good(prod: Producer) -> None:
         reader.close()
     assert not os.path.exists(arena.path(hold))
     assert prod.sends.state_of("r7") == [HandoffState.WITHDRAWN]
+
+
+# -- a reader process stopped while it holds the blocks -------------------------------------
+READER = """
+import json, sys
+from vllm_omni_kv.backends.shm.connector import SharedMemoryConnector
+reader = SharedMemoryConnector({"namespace": sys.argv[1], "share_cache": True})
+print("ready", flush=True)
+key = sys.stdin.readline().strip()
+stream = reader.open_stream("prefill", "decode", key)
+shared = stream.obj["metadata"]["shared"]
+try:
+    with stream, reader.cache_region.reading(shared["hold"]):
+        pages = reader.cache_region.attach(shared["region"])
+        first = pages[: 1 << 16].clone()  # the copy has begun...
+        print("copying", flush=True)
+        sys.stdin.readline()
+        rest = pages[1 << 16 : 1 << 17].clone()  # ...and ends once the process runs again
+    print(json.dumps({"ok": True}), flush=True)
+except Exception as e:
+    print(json.dumps({"error": f"{type(e).__name__}: {e}"}), flush=True)
+reader.close()
+"""
+
+
+def wait_until(pred: Any, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def _stopped(pid: int) -> bool:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def test_a_stopped_reader_loses_the_blocks_after_the_lease_and_grace() -> None:
+    ttl, grace = 1.0, 1.0
+    prod = Producer(ttl, grace=grace, timer=True)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    child = subprocess.Popen(
+        [sys.executable, "-c", READER, prod.ns],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert child.stdin is not None and child.stdout is not None
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        hold = prod.send("r9")
+        t0 = time.monotonic()
+        assert prod.sends.done({"r9"}) == set()  # vLLM finished the request: blocks wait
+        child.stdin.write("r9\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "copying"
+        os.kill(child.pid, signal.SIGSTOP)  # the reader stops with the hold's lock taken
+        assert wait_until(lambda: _stopped(child.pid), 5)
+        time.sleep(max(0.0, t0 + ttl + 0.3 - time.monotonic()))  # past the lease
+        assert prod.sends.state_of("r9") == [HandoffState.CLAIMED]
+        assert prod.sends.done(set()) == set(), "blocks freed under a reader within its grace"
+        assert wait_until(lambda: prod.sends.done(set()) == {"r9"}, ttl + grace + 5)
+        freed_after = time.monotonic() - t0
+        assert ttl + grace - 0.05 <= freed_after <= ttl + grace + 3, freed_after
+        assert not os.path.exists(arena.path(hold))
+        for layer in prod.layers:  # vLLM reuses the blocks for another request
+            layer.cache.fill_(7.0)
+        os.kill(child.pid, signal.SIGCONT)
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        result = json.loads(child.stdout.readline())
+        assert "error" in result, "the resumed reader accepted pages that were taken back"
+        assert "outlived the payload's lease" in result["error"], result
+    finally:
+        os.kill(child.pid, signal.SIGCONT)
+        child.kill()
+        child.wait(10)
+        prod.close()

@@ -214,6 +214,14 @@ class CacheRegion(ABC):
         """Remove ``hold`` unless a consumer is reading under it right now; True when it is
         gone (taken back, or released)."""
 
+    def expire_hold(self, hold: str) -> bool:
+        """Take ``hold`` back although a consumer may still be reading under it (it held
+        the blocks past the lease and its grace); True when it is gone. The default
+        revokes it, then takes it back only where no reader holds it (a region whose
+        readers hold leases with deadlines of their own)."""
+        self.revoke(hold)
+        return self.take_back(hold)
+
     def revoke(self, hold: str) -> None:
         """The blocks under ``hold`` were freed (vLLM preempted the request): a consumer
         copying under it must fail. The default (a region that cannot tell its readers)

@@ -24,6 +24,9 @@ nearest valid one. Accepted fields::
     load_threads         background threads receiving payloads (default 2)
     send_ttl             seconds a producer keeps an unconsumed payload (default 300): the
                          payload's lease, see "Payload lifetime" below
+    hold_grace           seconds past a one-copy payload's lease a consumer may still be
+                         copying its pages (default 30); then the producer takes the blocks
+                         back anyway, and that consumer's load fails and is recomputed
     remote_host          host advertised to consumers (default: backend "host" or 127.0.0.1)
     remote_port          port advertised to consumers (default: backend "zmq_port", else the
                          port the producer's side channel bound, learned at engine start)
@@ -96,6 +99,7 @@ KNOWN_FIELDS: frozenset[str] = frozenset(
         "target_tp_size",
         "load_threads",
         "send_ttl",
+        "hold_grace",
         "max_part_bytes",
         "staging_bytes",
         "remote_host",
@@ -187,6 +191,7 @@ class OmniKVConfig:
     target_tp_size: int | None = None
     load_threads: int = 2
     send_ttl: float = 300.0
+    hold_grace: float = 30.0
     max_part_bytes: int | None = None
     staging_bytes: int = 256 << 20
     remote_host: str = "127.0.0.1"
@@ -429,6 +434,7 @@ def parse_omni_kv_config(raw: Mapping[str, Any] | None, kv_role: str | None = No
         target_tp_size=_positive_int(raw, "target_tp_size", None),
         load_threads=load_threads,
         send_ttl=_positive_float(raw, "send_ttl", 300.0),
+        hold_grace=_positive_float(raw, "hold_grace", 30.0),
         max_part_bytes=_part_bytes(raw),
         staging_bytes=_staging_bytes(raw),
         remote_host=host,

@@ -13,7 +13,10 @@ Every payload a producer worker publishes (one per target rank of a request) is 
 
 A lease starts at ``send_ttl``; a consumer whose request waits for blocks extends it
 (``extend``, in PUBLISHED or CLAIMED). CLAIMED means a consumer is copying the
-payload's pages out of this process's cache, so the producer cannot take them back.
+payload's pages out of this process's cache, so the producer does not take them back
+then; a claim that outlives the lease by ``grace`` seconds (a stopped or stuck
+consumer) no longer counts: the producer voids the hold (the copy, when it ends, fails)
+and takes the blocks back (EXPIRED).
 Terminal states are RELEASED, EXPIRED, WITHDRAWN and FAILED (the send failed; nothing
 was published). Every transition is a method; an illegal one raises
 :class:`HandoffStateError`.
@@ -43,6 +46,8 @@ logger = init_logger(__name__)
 CHECK_EVERY_S = 1.0
 #: how often an idle producer checks its holds while it waits for consumers
 POLL_S = 0.005
+#: seconds past its lease a consumer may still hold a payload's blocks (``hold_grace``)
+HOLD_GRACE_S = 30.0
 
 
 class HandoffStateError(OmniKVError, RuntimeError):
@@ -144,6 +149,10 @@ class HandoffPort(Protocol):
         """Mark ``hold`` void: a consumer copying under it fails instead of using pages
         that may be overwritten."""
 
+    def expire_hold(self, hold: str) -> bool:
+        """Void ``hold`` and take it back even while a consumer reads under it (it held
+        the blocks past the lease and its grace); True when it is gone."""
+
 
 @dataclass
 class _Request:
@@ -155,9 +164,12 @@ class _Request:
 class ProducerHandoffs:
     """Every handoff of one producer worker, their lease timer and their reporting."""
 
-    def __init__(self, port: HandoffPort, ttl: float, *, timer: bool = True) -> None:
+    def __init__(
+        self, port: HandoffPort, ttl: float, *, grace: float = HOLD_GRACE_S, timer: bool = True
+    ) -> None:
         self.port = port
         self.ttl = ttl
+        self.grace = grace
         self.expired = 0  # leases that ran out while their payload was unconsumed
         self._reqs: dict[str, _Request] = {}
         self._lock = threading.Lock()
@@ -223,13 +235,23 @@ class ProducerHandoffs:
             return sum(not h.terminal for r in self._reqs.values() for h in r.handoffs)
 
     # -- transitions with their side effects (under the lock) ---------------------------
-    def _end(self, h: Handoff, to: HandoffState) -> None:
+    def _end(self, h: Handoff, to: HandoffState, *, force: bool = False) -> None:
         """Take ``h`` to EXPIRED or WITHDRAWN: withdraw the payload, take back its hold
-        (a reader copying keeps it CLAIMED until it releases)."""
+        (a reader copying keeps it CLAIMED until it releases, or until ``force``)."""
         if h.shares_blocks and not self.port.take_back(h.hold):
-            if h.state is S.PUBLISHED:
-                h.claim()
-            return
+            if not force:
+                if h.state is S.PUBLISHED:
+                    h.claim()
+                return
+            self.port.expire_hold(h.hold)
+            logger.warning(
+                "a consumer held the blocks of KV payload %s of %s for %gs past its lease "
+                "(hold_grace) without finishing its copy (stopped or stuck): took them back; "
+                "that consumer's load fails and recomputes",
+                h.key,
+                h.req_id,
+                self.grace,
+            )
         self._withdraw(h)
         if to is S.EXPIRED:
             h.expire()
@@ -262,7 +284,7 @@ class ProducerHandoffs:
             self._withdraw(h)  # consumed; a backend that cannot tell may still hold it
             h.release()
         else:
-            self._end(h, S.EXPIRED)
+            self._end(h, S.EXPIRED, force=now >= h.deadline + self.grace)
 
     def check(self, now: float | None = None) -> None:
         """Releases and lease deadlines of every live handoff."""

@@ -124,7 +124,11 @@ class OmniKVWorker:
         self._invalid_blocks, self._failed_recving = set[int](), set[str]()  # failed loads
         self._worker_meta: dict[str, dict[str, Any]] = {}
         # producer: every payload published, its lease and hold, until vLLM may free it
-        self._handoffs = ProducerHandoffs(self.session, cfg.send_ttl) if self.is_producer else None
+        self._handoffs = (
+            ProducerHandoffs(self.session, cfg.send_ttl, grace=cfg.hold_grace)
+            if self.is_producer
+            else None
+        )
         self._expired_seen = 0
         self._closed = False
         self._held_checked = 0.0

@@ -383,6 +383,11 @@ class TransferSession:
         """Producer: void ``hold`` (its blocks were freed); a reader copying under it fails."""
         self._region().revoke(hold)
 
+    def expire_hold(self, hold: str) -> bool:
+        """Producer: void ``hold`` and take it back even from a reader still holding it
+        (past the lease and its grace)."""
+        return self._region().expire_hold(hold)
+
     def hold_released(self, hold: str) -> bool:
         return self._region().released(hold)
 

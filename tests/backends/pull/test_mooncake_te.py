@@ -376,7 +376,12 @@ def test_acquire_that_timed_out_does_not_block_the_retry() -> None:
     ):
         meta = proc.call(op="put", key="slow", data=data)["meta"]
         endpoint = {k: meta[k] for k in ("source_host", "source_port")}
+        proc.call(op="put", key="first", data=data)
+        first = r.get("0", "1", "first", endpoint)  # this thread has its holder id now
+        assert first is not None
+        first[0].release()
         proc.call(op="hold_gil", seconds=2.0)
+        time.sleep(0.2)  # the sender is stuck by now (its socket to us is warm)
         t0 = time.monotonic()
         assert r.get("0", "1", "slow", endpoint) is None  # no reply within 1 s...
         assert r.health()["timeouts"] == 1
@@ -528,39 +533,21 @@ def test_missing_mooncake_names_the_package(
 # -- a hostile side-channel client ------------------------------------------------------------
 
 
-def _raw_request(endpoint: str, payload: bytes, timeout_ms: int = 1000) -> bytes | None:
-    """One request from a bare REQ socket (what any client on the network can send)."""
-    import zmq
-
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.REQ)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
-    try:
-        sock.connect(endpoint)
-        sock.send(payload)
-        try:
-            return bytes(sock.recv())
-        except zmq.Again:
-            return None
-    finally:
-        sock.close(0)
-        ctx.term()
-
-
 def test_side_channel_survives_malformed_oversized_and_flooding_clients() -> None:
     import msgpack
 
-    from vllm_omni_kv.backends.pull.side_channel import MAX_MESSAGE
+    from vllm_omni_kv.backends.pull.side_channel import MAX_REQUEST
+
+    from .raw_peer import raw_request
 
     server = SideChannelServer("127.0.0.1", 0, lambda m: {"ok": True}, max_rate=50)
     client = SideChannelClient(timeout_s=1.0)
     try:
         for junk, why in ((b"\xc1\xc1", "not valid msgpack"), (msgpack.packb([1, 2]), "a map")):
-            reply = msgpack.unpackb(_raw_request(server.endpoint, junk) or b"\x80")
+            reply = msgpack.unpackb(raw_request(server.endpoint, junk) or b"\x80")
             assert reply["ok"] is False and why in reply["error"]
-        # over MAX_MESSAGE: ZeroMQ drops the connection, the server does not answer it
-        assert _raw_request(server.endpoint, b"\x00" * (MAX_MESSAGE + 1), 500) is None
+        # over MAX_REQUEST: the server closes the connection, it does not answer it
+        assert raw_request(server.endpoint, b"\x00" * (MAX_REQUEST + 1)) is None
         replies = [client.request(server.endpoint, {"op": "ping"}) for _ in range(200)]
         busy = sum(r.get("reason") == "busy" for r in replies)
         assert 50 <= busy <= 150  # beyond ~50 requests at once: busy, not queued

@@ -1,9 +1,12 @@
-"""The keyed side channel: bare ZMQ clients without the key, with another key, or replaying
-a captured request are refused and never reach the handler; forged replies fail the client."""
+"""The keyed side channel: bare TCP clients without the key, with another key, or replaying
+a captured request are refused and never reach the handler; forged replies fail the client;
+the header's MAC is checked before the body is hashed."""
 
 from __future__ import annotations
 
 import os
+import socket
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -12,43 +15,50 @@ from typing import Any
 import msgpack
 import pytest
 import torch
-import zmq
 
+from vllm_omni_kv.backends.pull.envelope import OVERHEAD, body_of, open_header, seal
 from vllm_omni_kv.backends.pull.side_channel import (
+    MAX_REQUEST,
     MAX_SKEW_S,
+    UNKNOWN_BOOT,
     SideChannelClient,
     SideChannelServer,
-    authenticated_body,
     pack,
 )
 from vllm_omni_kv.errors import KVPayloadError
 from vllm_omni_kv.wire.auth import AuthKey
 
 from ..conformance import te_config, wait_until
+from .raw_peer import connect, raw_request, read_frame
 
 KEY = AuthKey(b"side-channel-key-" + bytes(range(32)))
 OTHER = AuthKey(b"another-channel-key-" + bytes(range(32)))
 
 
-def _raw(endpoint: str, payload: bytes, timeout_ms: int = 2000) -> bytes:
-    """One request from a bare REQ socket (what anyone on the network can send)."""
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.REQ)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
-    try:
-        sock.connect(endpoint)
-        sock.send(payload)
-        return bytes(sock.recv())
-    finally:
-        sock.close(0)
-        ctx.term()
+def _raw(endpoint: str, payload: bytes) -> bytes:
+    """One request from a bare TCP socket (what anyone on the network can send)."""
+    reply = raw_request(endpoint, payload)
+    assert reply is not None, "the server closed the connection without a reply"
+    return reply
 
 
-def _request(key: AuthKey, msg: dict[str, Any], ts: float | None = None) -> tuple[bytes, bytes]:
+def _request(
+    key: AuthKey, msg: dict[str, Any], boot: bytes, ts: float | None = None
+) -> tuple[bytes, bytes]:
+    """A keyed request for the server process ``boot``, and its nonce."""
     nonce = os.urandom(16)
-    body = {**msg, "_ts": time.time() if ts is None else ts, "_nonce": nonce}
-    return pack(body, key), nonce
+    return seal(msg, key, nonce=nonce, boot=boot, ts=ts), nonce
+
+
+def _sealed_reply(raw: bytes) -> tuple[bytes, dict[str, Any]]:
+    """The nonce and body of a reply sealed with KEY (fails the test when it is not)."""
+    header = open_header(raw, KEY, reply=True)
+    assert header is not None
+    body = body_of(raw, header)
+    assert body is not None
+    out = msgpack.unpackb(body)
+    assert isinstance(out, dict)
+    return header.nonce, out
 
 
 def _plain_reply(raw: bytes) -> dict[str, Any]:
@@ -81,22 +91,26 @@ def test_keyed_round_trip_and_envelope_hidden_from_handler(keyed: _Server) -> No
             "ok": True,
             "echo": 7,
         }
-        assert keyed.calls == [{"op": "ping", "x": 7}]  # no _ts / _nonce
+        assert keyed.calls == [{"op": "ping", "x": 7}]  # the envelope stays outside
     finally:
         client.close()
 
 
 def test_unauthenticated_and_wrong_key_requests_never_reach_the_handler(keyed: _Server) -> None:
-    ep = keyed.server.endpoint
+    ep, boot = keyed.server.endpoint, keyed.server.boot
     msg = {"op": "acquire", "key": "k", "lease_s": 1.0}
-    good_body = msgpack.packb({**msg, "_ts": time.time(), "_nonce": os.urandom(16)})
+    good, _ = _request(KEY, msg, boot)
+    other_body = msgpack.packb({"op": "release", "lease": "0" * 32})
     cases = {
         "plain msgpack": msgpack.packb(msg),
-        "other key": _request(OTHER, msg)[0],
-        "truncated MAC": _request(KEY, msg)[0][:-1],
-        "MAC of the body with the reply key": good_body + KEY.message_mac(good_body, reply=True),
-        "no nonce": pack({**msg, "_ts": time.time()}, KEY),
-        "no timestamp": pack({**msg, "_nonce": os.urandom(16)}, KEY),
+        "other key": _request(OTHER, msg, boot)[0],
+        "truncated header": good[: OVERHEAD - 1],
+        "header sealed with the reply key": seal(
+            msg, KEY, nonce=os.urandom(16), boot=boot, reply=True
+        ),
+        "another body under a valid header": good[:OVERHEAD] + other_body,
+        "body cut short": good[:-1],
+        "NaN timestamp": _request(KEY, msg, boot, ts=float("nan"))[0],
         "empty": b"",
     }
     for name, payload in cases.items():
@@ -106,19 +120,51 @@ def test_unauthenticated_and_wrong_key_requests_never_reach_the_handler(keyed: _
 
 
 def test_replayed_and_stale_requests_are_refused(keyed: _Server) -> None:
-    ep = keyed.server.endpoint
-    captured, nonce = _request(KEY, {"op": "ping", "x": 1})
-    first = _raw(ep, captured)
-    body = authenticated_body(first, KEY, reply=True)
-    assert body is not None
-    assert msgpack.unpackb(body) == {"ok": True, "echo": 1, "_nonce": nonce}
+    ep, boot = keyed.server.endpoint, keyed.server.boot
+    captured, nonce = _request(KEY, {"op": "ping", "x": 1}, boot)
+    assert _sealed_reply(_raw(ep, captured)) == (nonce, {"ok": True, "echo": 1})
     replay = _plain_reply(_raw(ep, captured))
     assert replay["reason"] == "unauthenticated" and "already used" in replay["error"]
     for skew in (-(MAX_SKEW_S + 30), MAX_SKEW_S + 30):
-        stale, _ = _request(KEY, {"op": "ping", "x": 2}, ts=time.time() + skew)
+        stale, _ = _request(KEY, {"op": "ping", "x": 2}, boot, ts=time.time() + skew)
         reply = _plain_reply(_raw(ep, stale))
         assert reply["reason"] == "unauthenticated" and "timestamp" in reply["error"]
     assert keyed.calls == [{"op": "ping", "x": 1}]
+
+
+def test_a_request_for_another_boot_is_refused_with_this_servers_boot(keyed: _Server) -> None:
+    ep = keyed.server.endpoint
+    for boot in (UNKNOWN_BOOT, os.urandom(16)):
+        req, nonce = _request(KEY, {"op": "ping", "x": 3}, boot)
+        raw = _raw(ep, req)
+        header = open_header(raw, KEY, reply=True)
+        assert header is not None and header.nonce == nonce
+        assert header.boot == keyed.server.boot
+        assert _sealed_reply(raw)[1] == {"ok": False, "reason": "retarget"}
+    assert keyed.calls == []
+
+
+def test_the_mac_is_checked_on_the_header_before_the_body_is_hashed() -> None:
+    """Refusing a message made without the key costs a hash of its 78-byte header: the
+    same for a 64 MiB body as for an empty one (a hash of the body takes ~100 ms)."""
+    big = _request(OTHER, {"pad": b"x" * (64 << 20)}, UNKNOWN_BOOT)[0]
+    small = _request(OTHER, {}, UNKNOWN_BOOT)[0]
+
+    def best(fn: Any) -> float:
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    assert open_header(big, KEY) is None and open_header(small, KEY) is None
+    t_big, t_small = best(lambda: open_header(big, KEY)), best(lambda: open_header(small, KEY))
+    authentic = open_header(big, OTHER)
+    assert authentic is not None
+    t_hash = best(lambda: body_of(big, authentic))  # what the header check spares
+    assert t_hash > 0.01, t_hash
+    assert t_big < max(20 * t_small, 0.002) and t_big < t_hash / 10, (t_big, t_small, t_hash)
 
 
 def test_clients_with_another_key_or_none_are_refused(keyed: _Server) -> None:
@@ -146,43 +192,46 @@ def test_keyed_client_refuses_an_unkeyed_server() -> None:
 
 
 def _forging_server(make_reply: Any) -> tuple[str, threading.Event, threading.Thread]:
-    """A ROUTER that answers each request with ``make_reply(request_bytes)``."""
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    """A server that answers each request with ``make_reply(request_bytes)``."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.05)
     stop = threading.Event()
 
     def serve() -> None:
-        try:
+        with listener:
             while not stop.is_set():
-                if sock.poll(50):
-                    ident, _empty, payload = sock.recv_multipart()
-                    sock.send_multipart([ident, b"", make_reply(payload)])
-        finally:
-            sock.close(0)
-            ctx.term()
+                try:
+                    conn, _ = listener.accept()
+                except TimeoutError:
+                    continue
+                with conn:
+                    conn.settimeout(5)
+                    while (payload := read_frame(conn)) is not None:
+                        reply = make_reply(payload)
+                        conn.sendall(struct.pack(">I", len(reply)) + reply)
 
     t = threading.Thread(target=serve, daemon=True)
     t.start()
-    return f"tcp://127.0.0.1:{port}", stop, t
+    return f"tcp://127.0.0.1:{listener.getsockname()[1]}", stop, t
 
 
 def _nonce_of(payload: bytes) -> bytes:
-    body = authenticated_body(payload, KEY)
-    assert body is not None
-    nonce = msgpack.unpackb(body)["_nonce"]
-    assert isinstance(nonce, bytes)
-    return nonce
+    header = open_header(payload, KEY)
+    assert header is not None
+    return header.nonce
+
+
+def _forged(key: AuthKey, nonce: bytes, *, reply: bool = True) -> bytes:
+    return seal({"ok": True}, key, nonce=nonce, boot=UNKNOWN_BOOT, reply=reply)
 
 
 @pytest.mark.parametrize(
     "forge,match",
     [
         (lambda p: pack({"ok": True}), "not authenticated"),
-        (lambda p: pack({"ok": True, "_nonce": _nonce_of(p)}, OTHER, reply=True), "not auth"),
-        (lambda p: pack({"ok": True, "_nonce": _nonce_of(p)}, KEY), "not authenticated"),
-        (lambda p: pack({"ok": True, "_nonce": os.urandom(16)}, KEY, reply=True), "replayed"),
+        (lambda p: _forged(OTHER, _nonce_of(p)), "not auth"),
+        (lambda p: _forged(KEY, _nonce_of(p), reply=False), "not authenticated"),
+        (lambda p: _forged(KEY, os.urandom(16)), "replayed"),
     ],
     ids=["unkeyed", "other-key", "request-mac", "other-nonce"],
 )
@@ -259,17 +308,54 @@ def test_refused_requests_are_charged_to_the_bucket(keyed: _Server) -> None:
     endpoint = f"tcp://127.0.0.1:{keyed.server.port}"
     keyed.server._rate = keyed.server._tokens = 5.0
     for _ in range(20):  # wrong key: refused, and each refusal costs a token
-        _raw(endpoint, _request(OTHER, {"x": 1})[0])
-    _raw(endpoint, _request(KEY, {"x": 2})[0])  # a valid request, answered busy
+        _raw(endpoint, _request(OTHER, {"x": 1}, keyed.server.boot)[0])
+    _raw(endpoint, _request(KEY, {"x": 2}, keyed.server.boot)[0])  # answered busy
     assert not any(c.get("x") == 2 for c in keyed.calls), "the refusals cost nothing"
 
 
-def test_a_request_over_the_size_bound_is_dropped() -> None:
+def test_a_request_over_the_size_bound_is_dropped_unread() -> None:
     server = SideChannelServer("127.0.0.1", 0, lambda m: {"ok": True})
     try:
         endpoint = f"tcp://127.0.0.1:{server.port}"
-        with pytest.raises(zmq.Again):  # zmq drops the peer: no reply ever comes
-            _raw(endpoint, pack({"op": "acquire", "pad": b"x" * (1 << 20)}), timeout_ms=500)
+        big = pack({"op": "acquire", "pad": b"x" * MAX_REQUEST})
+        assert raw_request(endpoint, big) is None  # the connection goes, no reply
+        with connect(endpoint) as sock:  # only the length prefix is ever read
+            sock.sendall(struct.pack(">I", 1 << 30))
+            assert read_frame(sock) is None
         assert _plain_reply(_raw(endpoint, pack({"op": "acquire"})))["ok"]
     finally:
+        server.close()
+
+
+def test_a_stalled_request_loses_its_connection() -> None:
+    server = SideChannelServer("127.0.0.1", 0, lambda m: {"ok": True}, stall_s=0.5)
+    try:
+        with connect(server.endpoint, timeout=5.0) as sock:
+            sock.sendall(struct.pack(">I", 100) + b"\x80")  # 1 of 100 bytes, then nothing
+            t0 = time.monotonic()
+            assert read_frame(sock) is None
+            assert 0.4 <= time.monotonic() - t0 < 3.0
+        assert server.open_peers == 0
+    finally:
+        server.close()
+
+
+def test_beyond_the_peer_cap_a_new_connection_replaces_an_idle_one_or_is_closed() -> None:
+    server = SideChannelServer("127.0.0.1", 0, lambda m: {"ok": True}, max_peers=4)
+    socks = [connect(server.endpoint) for _ in range(4)]
+    try:
+        assert wait_until(lambda: server.open_peers == 4, 5)
+        for s in socks:  # busy peers: each in the middle of a request
+            s.sendall(struct.pack(">I", 100))
+        assert raw_request(server.endpoint, pack({"op": "ping"})) is None  # closed at once
+        assert server.refused_peers >= 1 and server.open_peers == 4
+        for s in socks:  # the requests end; the peers go idle
+            s.sendall(pack({"pad": b"x" * 93}))
+            assert read_frame(s) is not None
+        time.sleep(1.1)  # idle long enough to be evicted
+        assert _plain_reply(_raw(server.endpoint, pack({"op": "ping"})))["ok"]
+        assert server.open_peers <= 4
+    finally:
+        for s in socks:
+            s.close()
         server.close()

@@ -3,7 +3,7 @@
 The protocol is the pull connector's (:mod:`vllm_omni_kv.backends.pull.pull`):
 ``put`` stages the frame in the sender's registered pool and exposes it in an
 :class:`~vllm_omni_kv.backends.pull.exposure.ExposureTable`; the receiver
-``acquire``\\ s a lease over the ZMQ side channel, pulls prelude, header and trailer,
+``acquire``\\ s a lease over the TCP side channel, pulls prelude, header and trailer,
 then only the chunk ranges ``load(spans)`` needs (each verified by the codec), and
 ``release``\\ s. NIXL replaces the Mooncake engine: the pool is registered once with
 the sender's agent, and the receiver loads that agent's metadata over the same side

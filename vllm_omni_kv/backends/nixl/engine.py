@@ -5,7 +5,7 @@ registered once (``DRAM`` for a host pool, ``VRAM`` for a ``cuda`` pool); with
 ``register_cache`` the KV cache is registered too (``DRAM``, or ``VRAM`` of its
 device through :meth:`NixlEngine.register_device`). A peer is named by its
 *session* ``"<agent>@<host>:<side-channel port>"``: the first read from a session
-fetches that agent's metadata over our ZMQ side channel (op ``nixl_md``, each try
+fetches that agent's metadata over our TCP side channel (op ``nixl_md``, each try
 bounded by ``handshake_timeout_s``, at most ``1 + handshake_retries`` tries) and
 loads it with ``add_remote_agent``. The reply also lists the peer's registered
 ranges and their memory types; a read of a range outside them fetches the

@@ -193,6 +193,11 @@ class TECacheRegion(CacheRegion):
     def take_back(self, hold: str) -> bool:
         return self.conn._exposed.withdraw(hold)
 
+    def expire_hold(self, hold: str) -> bool:
+        # a puller's lease has a deadline of its own (at most buffer_ttl_s): past it, the
+        # block goes, and the puller's release finds its lease gone and fails the copy
+        return self.take_back(hold)
+
     def hold_name(self, from_stage: str, to_stage: str, key: str) -> str:
         return edge_key(key, from_stage, to_stage)
 

@@ -2,7 +2,7 @@
 
 The receiver pulls from the sender's registered pool with
 ``TransferEngine.transfer_sync_read`` (RDMA, or TCP on hosts without RDMA),
-after learning address and size over a ZMQ side channel; see
+after learning address and size over a TCP side channel; see
 :mod:`vllm_omni_kv.backends.pull.pull` for the protocol, pulls by N
 receivers (``max_pulls``), TTL expiry and timeouts.
 

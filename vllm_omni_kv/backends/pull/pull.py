@@ -6,18 +6,16 @@ Data path (sender -> receiver):
    ``ManagedBuffer`` of that pool is exposed as is (zero copy), a tensor or
    bytes are copied once, any other object is laid out with
    :func:`codec.encode` and packed straight into the pool (one copy).
-2. ``open_stream``: the receiver learns address, size and kind over the ZMQ
+2. ``open_stream``: the receiver learns address, size and kind over the TCP
    side channel (``acquire`` grants a lease so the TTL sweeper cannot free the
    block mid-transfer), allocates a block of its own pool sized for the whole
    frame and pulls just prelude, header and digest trailer with the engine's
    synchronous read; ``load(spans)`` pulls only the chunks covering ``spans``
    (see :mod:`.pull_stream`). Every read is bounded by ``transfer_timeout_s``.
    Leases are held per receiver thread (see :mod:`.sender_requests`).
-3. ``release`` (end of the load, or ``close``) tells the sender the pull
-   finished; its reply confirms the block was still live for the whole pull.
-   The block is freed after ``max_pulls`` releases (``0``: kept until
-   ``cleanup``/TTL), so one sender can feed N receivers. ``discard`` acquires
-   and releases without pulling.
+3. ``release`` tells the sender the pull finished (its reply confirms the block was
+   live throughout); the block is freed after ``max_pulls`` releases (``0``: at
+   ``cleanup``/TTL). ``discard`` acquires and releases without pulling.
 
 Buffers never pulled are freed ``buffer_ttl_s`` after ``put``, or after the last
 ``extend`` of a waiting consumer (each by at most ``buffer_ttl_s``).
@@ -47,6 +45,7 @@ from vllm_omni_kv.backends.pull.pull_stream import (
 from vllm_omni_kv.backends.pull.sender_ops import SenderOps
 from vllm_omni_kv.backends.pull.sender_requests import SenderEndpoints, SenderRequests
 from vllm_omni_kv.backends.pull.side_channel import (
+    MAX_RATE,
     PORT_KEYS,
     SideChannelServer,
     sender_zmq_port,
@@ -72,7 +71,7 @@ class PullTransferConnector(OmniConnectorBase):
     CONFIG_KEYS: ClassVar[frozenset[str]] = PORT_KEYS | frozenset(
         "role host memory_pool_size memory_pool_device max_pulls buffer_ttl_s transfer_timeout_s "
         "side_channel_timeout_s get_timeout_s raise_on_timeout frame_checksum lease_slack_s "
-        "sender_host sender_zmq_port auth_key_file".split()
+        "sender_host sender_zmq_port auth_key_file side_channel_max_rate".split()
     )
 
     def __init__(self, config: dict[str, Any] | None = None) -> None:
@@ -122,6 +121,7 @@ class PullTransferConnector(OmniConnectorBase):
             self.buffer_ttl_s = float(cfg.get("buffer_ttl_s", 300.0))
             self.transfer_timeout_s = float(cfg.get("transfer_timeout_s", 30.0))
             self.side_channel_timeout_s = float(cfg.get("side_channel_timeout_s", 5.0))
+            self.max_rate = float(cfg.get("side_channel_max_rate", MAX_RATE))
             self.get_timeout_s = float(cfg.get("get_timeout_s", 0.0))
             self.raise_on_timeout = bool(cfg.get("raise_on_timeout", False))
             self.frame_checksum = bool(cfg.get("frame_checksum", True))
@@ -129,9 +129,10 @@ class PullTransferConnector(OmniConnectorBase):
             self.zmq_port = sender_zmq_port(cfg) if self.can_put else 0
         except (TypeError, ValueError) as e:
             raise ConfigError(f"{type(self).__name__}: bad numeric setting: {e}") from None
-        if self.max_pulls < 0 or self.buffer_ttl_s <= 0 or self.transfer_timeout_s <= 0:
+        if min(self.max_pulls + 1, self.buffer_ttl_s, self.transfer_timeout_s, self.max_rate) <= 0:
             raise ConfigError(
-                "max_pulls >= 0, buffer_ttl_s > 0 and transfer_timeout_s > 0 required"
+                "max_pulls >= 0, buffer_ttl_s, transfer_timeout_s and side_channel_max_rate > 0 "
+                "required"
             )
         self.auth = auth_of(cfg)  # side-channel MACs (frames are keyed by the session)
         self.pool_device = str(cfg.get("memory_pool_device", "cpu"))
@@ -148,6 +149,7 @@ class PullTransferConnector(OmniConnectorBase):
                 on_idle=self._exposed.sweep,
                 idle_interval_s=min(0.5, self.buffer_ttl_s / 4),
                 auth=self.auth,
+                max_rate=self.max_rate,
             )
             self.zmq_port = self._server.port
         self._client = SenderRequests(self.side_channel_timeout_s, self.engine_id, auth=self.auth)
@@ -421,6 +423,9 @@ class PullTransferConnector(OmniConnectorBase):
         }
         if not self._closed:
             out.update(self.pool.stats())
+        if self._server is not None:  # side-channel connections now, and refused for the cap
+            out["peers"] = self._server.open_peers
+            out["peers_refused"] = self._server.refused_peers
         return out
 
     def close(self) -> None:

@@ -4,7 +4,9 @@ addresses (:class:`SenderEndpoints`).
 
 Leases are held per receiver thread: when a busy sender answers an acquire after the
 receiver gave up waiting, the receiver's retry replaces that orphan lease instead of finding
-the key "exhausted" until the lease lapses.
+the key "exhausted" until the lease lapses. A thread names itself to a sender by the holder
+id that sender issued it (:mod:`.sender_ops`: asked for before the thread's first acquire
+there, renewed by every acquire reply).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class SenderRequests:
     def __init__(self, timeout_s: float, engine_id: str, auth: AuthKey | None = None) -> None:
         self._client = SideChannelClient(timeout_s, auth=auth)
         self._engine_id = engine_id
+        self._local = threading.local()  # .holders: endpoint -> this thread's holder id
 
     def acquire(
         self, endpoint: str, key: str, lease_s: float, wait_s: float
@@ -67,16 +70,17 @@ class SenderRequests:
         None when the key did not appear within ``wait_s``."""
         deadline = time.monotonic() + wait_s
         delay = 0.005
-        # one thread's gets are sequential: naming (engine, thread) as the holder lets the
+        # one thread's gets are sequential: naming this thread by its holder id lets the
         # sender replace a lease this thread abandoned when an earlier acquire timed out
-        msg = {
-            "op": "acquire",
-            "key": key,
-            "lease_s": lease_s,
-            "holder": f"{self._engine_id}:{threading.get_ident()}",
-        }
+        holders: dict[str, str] = self._local.__dict__.setdefault("holders", {})
+        if endpoint not in holders:
+            self._learn_holder(holders, endpoint, self._client.request(endpoint, {"op": "holder"}))
+        msg: dict[str, Any] = {"op": "acquire", "key": key, "lease_s": lease_s}
         while True:
+            if endpoint in holders:
+                msg["holder"] = holders[endpoint]
             reply = self._client.request(endpoint, msg)
+            self._learn_holder(holders, endpoint, reply)
             if reply.get("ok"):
                 return reply
             if reply.get("reason") == "error":
@@ -85,6 +89,11 @@ class SenderRequests:
                 return None
             time.sleep(delay)
             delay = min(delay * 2, 0.1)
+
+    @staticmethod
+    def _learn_holder(holders: dict[str, str], endpoint: str, reply: dict[str, Any]) -> None:
+        if isinstance(reply.get("holder"), str):
+            holders[endpoint] = reply["holder"]
 
     def release(
         self, endpoint: str, key: str, token: str, lease: str | None, success: bool

@@ -1,93 +1,115 @@
-"""A small ZMQ request/reply side channel with msgpack messages and bounded waits.
+"""A small request/reply side channel over TCP: msgpack maps, bounded memory and waits.
 
-The server is one ROUTER socket served by one background thread; the client
-uses a REQ socket per (thread, endpoint) with ``RCVTIMEO``/``SNDTIMEO`` so a
-dead or stuck peer surfaces as :class:`KVTransferTimeout` instead of a hang.
-After a timeout the REQ socket is discarded (its state machine is stuck) and a
-fresh one is made on the next call. Messages are msgpack maps only (no pickle).
+The server (:class:`SideChannelServer`) is one listening socket served by one background
+thread; the client (:class:`~.channel_client.SideChannelClient`) keeps one connection per
+(thread, server). Messages are length-prefixed msgpack maps (:mod:`.framing`; no pickle).
 
-With an auth key (:mod:`vllm_omni_kv.wire.auth`) on both ends, every message is
-its msgpack body followed by a 32-byte keyed BLAKE2b MAC (distinct keys for
-requests and replies). A request also carries ``_ts`` (the sender's wall clock)
-and ``_nonce`` (16 random bytes): the server refuses a request whose MAC does
-not match, whose ``_ts`` is more than :data:`MAX_SKEW_S` away from its own clock,
-or whose nonce it has already seen (a replay), answering ``{"ok": False,
-"reason": "unauthenticated"}`` without running the handler. Replies echo the
-request's nonce under their MAC, so a client accepts only the reply to its own
-request. A reply that fails this, or a refusal as unauthenticated, raises
-:class:`KVPayloadError` at the client (refused, not retried: the keys differ).
+Memory: a server holds at most :data:`MAX_PEERS` connections (a new one beyond them takes
+the place of the longest idle, when one has been idle :data:`EVICT_IDLE_S`, or is closed
+at once), reads at most one request of at most :data:`MAX_REQUEST` bytes per connection
+at a time (a longer one closes the connection before a byte of it is read) and reads the
+next only once its reply went out. So what it buffers for its peers is at most
+``MAX_PEERS * (MAX_REQUEST + one reply)``: 4.3 MiB with replies of 1 KiB. A connection
+that stalls mid-request or does not take its reply for :data:`STALL_S` is closed.
+
+With an auth key (:mod:`vllm_omni_kv.wire.auth`) on both ends, every message is a
+keyed envelope (:mod:`.envelope`): a header with a timestamp, a nonce, the boot id of
+the server process it is for and the body's digest, a MAC over that header, then the
+body. The server (:class:`~.envelope.KeyedGate`) checks the header's MAC before it
+looks at the body and refuses, with ``{"ok": False, "reason": "unauthenticated"}`` and
+without running the handler, a request with a wrong MAC, a timestamp more than
+:data:`MAX_SKEW_S` from its clock, a nonce it has seen (a replay) or a body that is not
+the one its header names. A request for another boot id (another server, or this one
+before a restart) is refused with a sealed ``retarget`` reply carrying this server's
+boot id; the client then resends once. Replies are sealed with the request's nonce, so
+a client accepts only the reply to its own request. Refusals cost the rate bucket like
+requests.
 """
 
 from __future__ import annotations
 
-import hmac
 import math
 import os
+import selectors
+import socket
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
-import zmq
-
-from vllm_omni_kv.errors import KVPayloadError, KVTransferError, KVTransferTimeout
+from vllm_omni_kv.backends.pull.channel_client import UNKNOWN_BOOT, SideChannelClient
+from vllm_omni_kv.backends.pull.envelope import BOOT_SIZE, Header, KeyedGate, seal
+from vllm_omni_kv.backends.pull.framing import (
+    LENGTH,
+    MAX_MESSAGE,
+    MAX_REQUEST,
+    frame,
+    pack,
+    unpack,
+)
+from vllm_omni_kv.errors import KVTransferError
 from vllm_omni_kv.kvcache.kv_utils import kv_zmq_port, sender_rank_port
 from vllm_omni_kv.logger import init_logger
-from vllm_omni_kv.wire.auth import ENV_KEY_FILE, MESSAGE_MAC_SIZE, AuthKey
+from vllm_omni_kv.wire.auth import AuthKey
+
+__all__ = [
+    "MAX_MESSAGE",
+    "MAX_REQUEST",
+    "PORT_KEYS",
+    "UNKNOWN_BOOT",
+    "SideChannelClient",
+    "SideChannelServer",
+    "pack",
+    "sender_zmq_port",
+    "unpack",
+]
 
 logger = init_logger(__name__)
 
 Handler = Callable[[dict[str, Any]], dict[str, Any]]
 
-#: largest message either side accepts; requests/replies are tiny maps
-MAX_MESSAGE = 1 << 20
-#: largest request a server accepts, and how many it queues per peer: a flood of large
-#: messages costs at most MAX_REQUEST * RCV_QUEUE bytes per connected peer
-MAX_REQUEST = 64 << 10
-RCV_QUEUE = 16
+#: connections a server holds at a time (each client thread keeps one per server)
+MAX_PEERS = 256
+#: at the cap, a new connection replaces one idle at least this long (else it is closed)
+EVICT_IDLE_S = 1.0
+#: a connection stalled this long mid-request, or not taking its reply, is closed
+STALL_S = 10.0
 #: requests a server answers per second (a token bucket of this many, refilled continuously);
 #: beyond that it replies ``busy`` without running the handler, and clients retry
 MAX_RATE = 20000.0
 #: ops answered even when over the rate (ending a pull must never fail for load)
 EXEMPT_OPS = frozenset({"release"})
-#: a keyed request whose ``_ts`` is further than this from the server's clock is refused
+#: a keyed request whose timestamp is further than this from the server's clock is refused
 MAX_SKEW_S = 30.0
 #: nonces a keyed server remembers (each for ``2 * MAX_SKEW_S``); beyond this it answers busy
 MAX_NONCES = 1 << 18
-NONCE_SIZE = 16
 
 
-def pack(msg: dict[str, Any], auth: AuthKey | None = None, *, reply: bool = False) -> bytes:
-    """A message's bytes: msgpack, followed by its MAC when ``auth`` is given."""
-    out: bytes = msgpack.packb(msg, use_bin_type=True)
-    return out if auth is None else out + auth.message_mac(out, reply=reply)
+@dataclass(eq=False)
+class _Peer:
+    """One connection: the request being read (length prefix, then body) or the reply
+    being written; never both."""
 
+    sock: socket.socket
+    since: float  # when it last made progress (read or written bytes, or went idle)
+    buf: bytearray = field(default_factory=bytearray)
+    need: int = LENGTH.size  # bytes still to read of the current part
+    body: bool = False  # reading the body (else the length prefix)
+    out: memoryview | None = None  # the reply still to write
 
-def authenticated_body(raw: bytes, auth: AuthKey, *, reply: bool = False) -> bytes | None:
-    """The msgpack body of a keyed message, or None when its MAC does not match."""
-    if len(raw) <= MESSAGE_MAC_SIZE:
-        return None
-    body, mac = raw[:-MESSAGE_MAC_SIZE], raw[-MESSAGE_MAC_SIZE:]
-    return body if hmac.compare_digest(auth.message_mac(body, reply=reply), mac) else None
-
-
-def unpack(raw: bytes) -> dict[str, Any]:
-    try:
-        msg = msgpack.unpackb(raw, raw=False, strict_map_key=False)
-    except Exception as e:
-        raise KVTransferError(f"side-channel message is not valid msgpack: {e}") from None
-    if not isinstance(msg, dict):
-        raise KVTransferError(f"side-channel message must be a map, got {type(msg).__name__}")
-    return msg
+    @property
+    def idle(self) -> bool:
+        return not self.buf and not self.body and self.out is None
 
 
 class SideChannelServer:
     """Serve ``handler(request) -> reply`` on ``tcp://host:port`` from a daemon thread.
 
-    ``port=0`` binds a random free port (see :attr:`port`). ``on_idle`` runs
-    between messages at least every ``idle_interval_s`` (used for TTL sweeps).
+    ``port=0`` binds a random free port (see :attr:`port`). ``on_idle`` runs between
+    requests at least every ``idle_interval_s`` (used for TTL sweeps). :attr:`boot` is
+    the server's boot id, random per server; :attr:`open_peers` and :attr:`refused_peers`
+    count its connections now and those closed for the cap.
     """
 
     def __init__(
@@ -96,46 +118,39 @@ class SideChannelServer:
         port: int,
         handler: Handler,
         *,
-        ctx: zmq.Context[Any] | None = None,
         on_idle: Callable[[], None] | None = None,
         idle_interval_s: float = 0.2,
         name: str = "omnikv-side-channel",
         max_rate: float = MAX_RATE,
         auth: AuthKey | None = None,
+        max_peers: int = MAX_PEERS,
+        stall_s: float = STALL_S,
     ) -> None:
         self._handler = handler
         self._auth = auth
-        self._nonces: set[bytes] = set()
-        self._nonce_expiry: deque[tuple[float, bytes]] = deque()
+        self.boot = os.urandom(BOOT_SIZE)
+        self._gate = None if auth is None else KeyedGate(auth, self.boot, MAX_SKEW_S, MAX_NONCES)
         self._refusal_logged = -math.inf
         self._rate = float(max_rate)
         self._tokens = self._rate
         self._refilled = time.monotonic()
         self._on_idle = on_idle
         self._idle_interval = max(0.01, idle_interval_s)
-        self._own_ctx = ctx is None
-        self._ctx = ctx or zmq.Context()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST)
-        self._sock.setsockopt(zmq.RCVHWM, RCV_QUEUE)
-        self._sock.setsockopt(zmq.SNDHWM, RCV_QUEUE)
+        self.max_peers, self.stall_s = max_peers, stall_s
+        self.refused_peers = 0
+        self._peers: dict[socket.socket, _Peer] = {}
         try:
-            if port == 0:
-                self.port = self._sock.bind_to_random_port(f"tcp://{host}")
-            else:
-                self._sock.bind(f"tcp://{host}:{port}")
-                self.port = port
-        except zmq.ZMQError as e:
-            self._sock.close(0)
-            if self._own_ctx:
-                self._ctx.term()
+            self._listener = socket.create_server((host, port), backlog=128)
+        except OSError as e:
             raise KVTransferError(
                 f"cannot bind the side channel on tcp://{host}:{port}: {e}. Another process "
                 "(or another TP rank) already uses this port: give each sender its own "
                 "zmq_port / local_rank, or set zmq_port=0 for a random port"
             ) from None
-        self.host = host
+        self._listener.setblocking(False)
+        self.host, self.port = host, int(self._listener.getsockname()[1])
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self._listener, selectors.EVENT_READ)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
@@ -144,51 +159,147 @@ class SideChannelServer:
     def endpoint(self) -> str:
         return f"tcp://{self.host}:{self.port}"
 
-    def _serve(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        next_idle = time.monotonic() + self._idle_interval
-        poll_ms = int(min(self._idle_interval, 0.05) * 1000)  # also bounds close() latency
-        while not self._stop.is_set():
-            try:
-                events = dict(poller.poll(poll_ms))
-            except zmq.ZMQError:
-                if self._stop.is_set():
-                    break
-                raise
-            if self._sock in events:
-                self._handle_one()
-            now = time.monotonic()
-            if self._on_idle is not None and now >= next_idle:
-                next_idle = now + self._idle_interval
-                try:
-                    self._on_idle()
-                except Exception:
-                    logger.exception("side-channel idle callback failed")
-        self._sock.close(0)
+    @property
+    def open_peers(self) -> int:
+        return len(self._peers)
 
-    def _handle_one(self) -> None:
+    # -- the serving thread --------------------------------------------------------------
+    def _serve(self) -> None:
+        next_idle = next_sweep = time.monotonic() + self._idle_interval
+        wait = min(self._idle_interval, 0.05)  # also bounds close() latency
         try:
-            frames = self._sock.recv_multipart(zmq.NOBLOCK)
-        except zmq.Again:
+            while not self._stop.is_set():
+                for key, mask in self._sel.select(wait):
+                    if key.fileobj is self._listener:
+                        self._accept()
+                        continue
+                    peer: _Peer = key.data
+                    if self._peers.get(peer.sock) is peer:  # not closed earlier in this batch
+                        self._flush(peer) if mask & selectors.EVENT_WRITE else self._read(peer)
+                now = time.monotonic()
+                if now >= next_sweep:
+                    next_sweep = now + min(1.0, self.stall_s / 4)
+                    self._drop_stalled(now)
+                if self._on_idle is not None and now >= next_idle:
+                    next_idle = now + self._idle_interval
+                    try:
+                        self._on_idle()
+                    except Exception:
+                        logger.exception("side-channel idle callback failed")
+        finally:
+            for peer in list(self._peers.values()):
+                self._close(peer)
+            self._sel.close()
+            self._listener.close()
+
+    def _accept(self) -> None:
+        for _ in range(64):
+            try:
+                sock, _addr = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:  # out of file descriptors: leave it in the backlog a while
+                logger.warning("side channel cannot accept a connection: %s", e)
+                time.sleep(0.01)
+                return
+            now = time.monotonic()
+            if len(self._peers) >= self.max_peers and not self._evict_idle(now):
+                self.refused_peers += 1
+                sock.close()
+                continue
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            peer = self._peers[sock] = _Peer(sock, now)
+            self._sel.register(sock, selectors.EVENT_READ, peer)
+
+    def _evict_idle(self, now: float) -> bool:
+        """Close the connection idle the longest, when one was idle ``EVICT_IDLE_S``."""
+        idle = [p for p in self._peers.values() if p.idle and now - p.since >= EVICT_IDLE_S]
+        if not idle:
+            return False
+        self._close(min(idle, key=lambda p: p.since))
+        return True
+
+    def _drop_stalled(self, now: float) -> None:
+        for peer in list(self._peers.values()):
+            if not peer.idle and now - peer.since > self.stall_s:
+                logger.debug("side channel closed a connection stalled for %.0fs", self.stall_s)
+                self._close(peer)
+
+    def _close(self, peer: _Peer) -> None:
+        self._peers.pop(peer.sock, None)
+        try:
+            self._sel.unregister(peer.sock)
+        except (KeyError, ValueError):
+            pass
+        peer.sock.close()
+
+    def _read(self, peer: _Peer) -> None:
+        """Read what the current part still needs (never past it); answer a whole request."""
+        try:
+            data = peer.sock.recv(peer.need)
+        except (BlockingIOError, InterruptedError):
             return
-        if len(frames) < 3:  # ROUTER: identity, empty delimiter (REQ), payload
+        except OSError:
+            data = b""
+        if not data:
+            self._close(peer)
             return
-        ident, payload = frames[0], frames[-1]
+        peer.buf += data
+        peer.need -= len(data)
+        peer.since = time.monotonic()
+        if peer.need:
+            return
+        if not peer.body:
+            (n,) = LENGTH.unpack(peer.buf)
+            if n > MAX_REQUEST:  # never read: the connection goes
+                logger.debug("side channel dropped a %d-byte request (at most %d)", n, MAX_REQUEST)
+                self._close(peer)
+                return
+            peer.body, peer.need, peer.buf = True, n, bytearray()
+            if n:
+                return
+        payload = bytes(peer.buf)
+        peer.buf, peer.body, peer.need = bytearray(), False, LENGTH.size
+        self._write(peer, memoryview(frame(self._answer(payload))))
+
+    def _write(self, peer: _Peer, out: memoryview) -> None:
+        """Send what the socket takes now; wait for writability (reading nothing) for the rest."""
+        try:
+            sent = peer.sock.send(out)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:
+            self._close(peer)
+            return
+        rest = out[sent:]
+        peer.since = time.monotonic()
+        if rest.nbytes:
+            if peer.out is None:
+                self._sel.modify(peer.sock, selectors.EVENT_WRITE, peer)
+            peer.out = rest
+        elif peer.out is not None:
+            peer.out = None
+            self._sel.modify(peer.sock, selectors.EVENT_READ, peer)
+
+    def _flush(self, peer: _Peer) -> None:
+        if peer.out is not None:
+            self._write(peer, peer.out)
+
+    # -- one request ---------------------------------------------------------------------
+    def _answer(self, payload: bytes) -> bytes:
+        """The reply to one request (sealed when the request was)."""
         now = time.monotonic()
         self._tokens = min(self._rate, self._tokens + (now - self._refilled) * self._rate)
         self._refilled = now
-        nonce: bytes | None = None
+        header: Header | None = None
         try:
-            if self._auth is not None:
-                msg, nonce, refusal = self._open_keyed(payload, now)
-                if refusal is not None:
-                    self._tokens = max(0.0, self._tokens - 1)  # refusals cost the bucket
-                    if now - self._refusal_logged >= 10.0:  # at most one warning per 10 s
-                        self._refusal_logged = now
-                        logger.warning("side channel refused a request: %s", refusal.get("error"))
-                    self._reply(ident, refusal, None)
-                    return
+            if self._gate is not None:
+                body, header, refusal = self._gate.open(payload, now)
+                if body is None:
+                    self._refused(refusal, now)
+                    return self._sealed(refusal, header)
+                msg = unpack(body)
             else:
                 msg = unpack(payload)
             exempt = msg.get("op") in EXEMPT_OPS  # answered always, never drains the bucket
@@ -203,183 +314,29 @@ class SideChannelServer:
         except Exception as e:
             logger.exception("side-channel handler failed")
             reply = {"ok": False, "reason": "error", "error": f"{type(e).__name__}: {e}"}
-        self._reply(ident, reply, nonce)
+        return self._sealed(reply, header)
 
-    def _reply(self, ident: bytes, reply: dict[str, Any], nonce: bytes | None) -> None:
-        """Send ``reply``; keyed (echoing ``nonce``) when the request was authenticated."""
-        if nonce is not None and self._auth is not None:
-            raw = pack({**reply, "_nonce": nonce}, self._auth, reply=True)
-        else:
-            raw = pack(reply)
-        try:
-            self._sock.send_multipart([ident, b"", raw], zmq.NOBLOCK)
-        except zmq.ZMQError as e:  # the requester went away; nothing to do
-            logger.debug("side-channel reply dropped: %s", e)
+    def _refused(self, refusal: dict[str, Any], now: float) -> None:
+        """A request the gate refused: it costs the bucket; warn at most every 10 s."""
+        self._tokens = max(0.0, self._tokens - 1)
+        if refusal.get("reason") == "unauthenticated" and now - self._refusal_logged >= 10.0:
+            self._refusal_logged = now
+            logger.warning("side channel refused a request: %s", refusal.get("error"))
 
-    def _open_keyed(
-        self, payload: bytes, now: float
-    ) -> tuple[dict[str, Any], bytes | None, dict[str, Any] | None]:
-        """``(request, nonce, None)`` for an authenticated fresh request, else
-        ``({}, None, refusal)``. Malformed bodies under a valid MAC raise KVTransferError."""
-        assert self._auth is not None
-
-        def refuse(why: str) -> tuple[dict[str, Any], None, dict[str, Any]]:
-            return {}, None, {"ok": False, "reason": "unauthenticated", "error": why}
-
-        body = authenticated_body(payload, self._auth)
-        if body is None:
-            return refuse(
-                "request not authenticated: its MAC is missing or made with another key; "
-                f"give every stage the same auth_key_file (or {ENV_KEY_FILE})"
-            )
-        msg = unpack(body)
-        ts, nonce = msg.pop("_ts", None), msg.pop("_nonce", None)
-        if not isinstance(nonce, bytes) or len(nonce) != NONCE_SIZE:
-            return refuse("request not authenticated: it carries no valid nonce")
-        if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts):
-            return refuse("request not authenticated: it carries no valid timestamp")
-        skew = ts - time.time()
-        if abs(skew) > MAX_SKEW_S:
-            return refuse(
-                f"request refused: its timestamp is {skew:+.1f}s from this host's clock (at "
-                f"most {MAX_SKEW_S:g}s allowed): a replayed request, or clocks out of sync"
-            )
-        while self._nonce_expiry and self._nonce_expiry[0][0] <= now:
-            self._nonces.discard(self._nonce_expiry.popleft()[1])
-        if nonce in self._nonces:
-            return refuse("request refused: its nonce was already used (a replayed request)")
-        if len(self._nonces) >= MAX_NONCES:
-            return {}, None, {"ok": False, "reason": "busy"}
-        self._nonces.add(nonce)
-        self._nonce_expiry.append((now + 2 * MAX_SKEW_S, nonce))
-        return msg, nonce, None
+    def _sealed(self, reply: dict[str, Any], header: Header | None) -> bytes:
+        """``reply``'s bytes; sealed (with the request's nonce) when ``header`` is given."""
+        if header is not None and self._auth is not None:
+            return seal(reply, self._auth, nonce=header.nonce, boot=self.boot, reply=True)
+        return pack(reply)
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop the thread and close the socket; idempotent."""
+        """Stop the thread and close every socket; idempotent."""
         if self._stop.is_set():
             return
         self._stop.set()
         self._thread.join(timeout)
         if self._thread.is_alive():
             logger.warning("side-channel thread did not stop within %.1fs", timeout)
-        elif self._own_ctx:
-            self._ctx.term()
-
-
-class SideChannelClient:
-    """Thread-safe request/reply client with a per-request deadline (keyed with ``auth``)."""
-
-    def __init__(
-        self,
-        timeout_s: float = 5.0,
-        ctx: zmq.Context[Any] | None = None,
-        auth: AuthKey | None = None,
-    ) -> None:
-        self.timeout_s = timeout_s
-        self._auth = auth
-        self._own_ctx = ctx is None
-        self._ctx = ctx or zmq.Context()
-        self._local = threading.local()
-        self._all: list[zmq.Socket[Any]] = []
-        self._lock = threading.Lock()
-        self._closed = False
-
-    def _socket(self, endpoint: str, timeout_ms: int) -> zmq.Socket[Any]:
-        cache: dict[str, zmq.Socket[Any]] = self._local.__dict__.setdefault("socks", {})
-        sock = cache.get(endpoint)
-        if sock is None:
-            with self._lock:
-                if self._closed:
-                    raise KVTransferError("side-channel client is closed")
-                sock = self._ctx.socket(zmq.REQ)
-                self._all.append(sock)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
-            sock.connect(endpoint)
-            cache[endpoint] = sock
-        sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
-        sock.setsockopt(zmq.SNDTIMEO, timeout_ms)
-        return sock
-
-    def _drop(self, endpoint: str) -> None:
-        cache: dict[str, zmq.Socket[Any]] = self._local.__dict__.setdefault("socks", {})
-        sock = cache.pop(endpoint, None)
-        if sock is not None:
-            with self._lock:
-                if sock in self._all:
-                    self._all.remove(sock)
-            sock.close(0)
-
-    def request(
-        self, endpoint: str, msg: dict[str, Any], timeout_s: float | None = None
-    ) -> dict[str, Any]:
-        """Send ``msg`` and wait for the reply; raise ``KVTransferTimeout`` past the deadline."""
-        timeout = self.timeout_s if timeout_s is None else timeout_s
-        timeout_ms = max(1, int(timeout * 1000))
-        sock = self._socket(endpoint, timeout_ms)
-        nonce = os.urandom(NONCE_SIZE)
-        if self._auth is not None:
-            out = pack({**msg, "_ts": time.time(), "_nonce": nonce}, self._auth)
-        else:
-            out = pack(msg)
-        try:
-            sock.send(out)
-            raw = sock.recv()
-        except zmq.Again:
-            self._drop(endpoint)
-            raise KVTransferTimeout(
-                f"no reply from {endpoint} to {msg.get('op')!r} within {timeout:.1f}s: the sender "
-                "process is gone, stuck, or unreachable (check its host/zmq_port and firewall)"
-            ) from None
-        except zmq.ZMQError as e:
-            self._drop(endpoint)
-            raise KVTransferError(f"side-channel request to {endpoint} failed: {e}") from None
-        if self._auth is None:
-            reply = unpack(raw)
-            if reply.get("reason") == "unauthenticated":
-                raise KVPayloadError(
-                    f"the sender at {endpoint} refused the request ({reply.get('error')}): it "
-                    f"requires an auth key; set the same auth_key_file (or {ENV_KEY_FILE}) here"
-                )
-            return reply
-        return self._keyed_reply(endpoint, raw, nonce)
-
-    def _keyed_reply(self, endpoint: str, raw: bytes, nonce: bytes) -> dict[str, Any]:
-        assert self._auth is not None
-        body = authenticated_body(raw, self._auth, reply=True)
-        if body is None:
-            try:
-                plain = unpack(raw)
-            except KVTransferError:
-                plain = {}
-            why = (
-                f": it refused the request ({plain.get('error')})"
-                if plain.get("reason") == "unauthenticated"
-                else ""
-            )
-            raise KVPayloadError(
-                f"side-channel reply from {endpoint} is not authenticated{why}; the sender "
-                f"has no auth key or another one: give every stage the same auth_key_file "
-                f"(or {ENV_KEY_FILE})"
-            )
-        reply = unpack(body)
-        if reply.pop("_nonce", None) != nonce:
-            raise KVPayloadError(
-                f"side-channel reply from {endpoint} does not answer this request (a replayed "
-                "or misrouted reply)"
-            )
-        return reply
-
-    def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            socks, self._all = self._all, []
-        for s in socks:
-            s.close(0)
-        if self._own_ctx:
-            self._ctx.term()
 
 
 #: the settings :func:`sender_zmq_port` reads

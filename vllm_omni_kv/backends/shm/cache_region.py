@@ -17,6 +17,9 @@ unlinks it and closes (dropping the lock). The producer takes a hold back only w
 non-blocking ``flock`` succeeds, and unlinks it under that lock, so it never takes back
 a hold a reader is copying under, and a reader never copies under a hold that was
 taken back. A reader that dies drops its lock with its process, in any PID namespace.
+A reader that stops (SIGSTOP) or hangs keeps its lock: once the payload's lease and its
+grace are over the producer takes the hold back anyway (:meth:`HoldFiles.expire_hold`),
+marking it first, so that the reader's copy fails when it resumes.
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ logger = init_logger(__name__)
 
 #: what a producer appends to a hold file whose blocks were freed (see HoldFiles.revoke)
 REVOKED = b"\0revoked"
+#: what it appends to a hold it took back from a reader past the lease and its grace
+EXPIRED = b"\0expired"
 #: where the KV bytes start in a cache segment (one page after the slot header)
 KV_OFFSET = 4096
 
@@ -97,17 +102,27 @@ class HoldFiles:
             self._mine.discard(hold)
         return True
 
-    def revoke(self, hold: str) -> None:
-        """Append :data:`REVOKED` to the hold file: a reader copying under it checks the
-        file after its copy and fails (the lock is advisory, so this never waits)."""
+    def revoke(self, hold: str, mark: bytes = REVOKED) -> None:
+        """Append ``mark`` to the hold file: a reader copying under it checks the file
+        after its copy and fails (the lock is advisory, so this never waits)."""
         try:
             fd = os.open(arena.path(hold), os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW)
         except OSError:
             return  # gone: released or taken back, nobody reads under it
         try:
-            os.write(fd, REVOKED)
+            os.write(fd, mark)
         finally:
             os.close(fd)
+
+    def expire_hold(self, hold: str) -> bool:
+        """Take ``hold`` back although a reader may hold its lock (it kept it past the
+        lease and its grace): mark it :data:`EXPIRED`, then unlink it. The reader's copy,
+        whenever it ends, sees the mark and fails."""
+        self.revoke(hold, EXPIRED)
+        arena.unlink_quiet(hold)
+        with self._lock:
+            self._mine.discard(hold)
+        return True
 
     def take_back(self, hold: str) -> bool:
         try:
@@ -152,10 +167,7 @@ class HoldFiles:
             try:
                 yield
                 if os.fstat(fd).st_size != st.st_size:  # revoked while we copied
-                    raise KVTransferError(
-                        "the producer's request was preempted while its blocks were copied "
-                        "(they may be reused): the request is recomputed"
-                    )
+                    raise _revoked(os.pread(fd, len(EXPIRED), st.st_size))
             finally:
                 arena.unlink_quiet(hold)
         finally:
@@ -170,6 +182,19 @@ class HoldFiles:
             mine, self._mine = list(self._mine), set()
         for name in mine:
             arena.unlink_quiet(name)
+
+
+def _revoked(mark: bytes) -> KVTransferError:
+    """Why a copy under a hold marked ``mark`` failed."""
+    if mark == EXPIRED:
+        return KVTransferError(
+            "this copy outlived the payload's lease and its grace (hold_grace): the producer "
+            "took its blocks back (they may be reused); the request is recomputed"
+        )
+    return KVTransferError(
+        "the producer's request was preempted while its blocks were copied (they may be "
+        "reused): the request is recomputed"
+    )
 
 
 class ShmCacheRegion(HoldFiles, CacheRegion):
