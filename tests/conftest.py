@@ -10,7 +10,7 @@ from pathlib import Path
 # starts) in its own directory on /dev/shm, so one worker's leak check never sees, or
 # removes, another's files. Set before anything imports the shm backend.
 if os.environ.get("PYTEST_XDIST_WORKER") and "OMNIKV_SHM_DIR" not in os.environ:
-    _WORKER_SHM = f"/dev/shm/omnikv-test-{os.environ['PYTEST_XDIST_WORKER']}-{os.getpid()}"
+    _WORKER_SHM = f"/dev/shm/pytest-omnikv-{os.environ['PYTEST_XDIST_WORKER']}-{os.getpid()}"
     os.makedirs(_WORKER_SHM, mode=0o700, exist_ok=True)
     os.environ["OMNIKV_SHM_DIR"] = _WORKER_SHM
 
@@ -63,7 +63,7 @@ def no_shm_leaks():
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """An xdist worker's shared-memory directory goes with it."""
     worker_dir = os.environ.get("OMNIKV_SHM_DIR", "")
-    if os.environ.get("PYTEST_XDIST_WORKER") and worker_dir.startswith("/dev/shm/omnikv-test-"):
+    if os.environ.get("PYTEST_XDIST_WORKER") and worker_dir.startswith("/dev/shm/pytest-omnikv-"):
         shutil.rmtree(worker_dir, ignore_errors=True)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -147,3 +148,19 @@ def test_region_bench_moves_pages_against_its_limit(tmp_path: Path, backend: str
     pages = (2 << 20) // (8 * 8 * 16 * 256 * 2)  # 64 KiB pages of 8 layers
     assert row["backend"] == backend and row["bytes"] == pages * 8 * 8 * 16 * 256 * 2
     assert row["move_ms"] > 0 and row["baseline_ms"] > 0 and row["vs_baseline"] > 0
+
+
+def test_weights_digest_bench_times_cold_warm_and_cached(tmp_path: Path) -> None:
+    out = tmp_path / "weights_digest_bench.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "weights_digest_bench.py")]
+        + ["--gib", "0.01", "--dir", str(tmp_path), "--out", str(out)],
+        env={**os.environ, "PYTHONPATH": str(REPO)},  # this checkout's package
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["file_bytes"] > 10 << 20 and r["cold_s"] > 0 and r["warm_s"] > 0
+    assert r["cached_s"] < r["warm_s"]

@@ -1,16 +1,18 @@
 """The compatibility identity (``connector/compat.py``): equal for the same model under
-another path, different for other weights, and enforced on every payload."""
+another path, different for other weights, and enforced on every payload. The weights'
+digest cache is covered in ``test_weights_digest.py``."""
 
 from __future__ import annotations
 
+import json
 import shutil
+import struct
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from vllm_omni_kv.connector import compat
-from vllm_omni_kv.connector.compat import COMPAT_KEY, engine_compat, weights_fingerprint
+from vllm_omni_kv.connector.compat import COMPAT_KEY, engine_compat
 from vllm_omni_kv.connector.metadata import LoadSpec
 from vllm_omni_kv.connector.receive import check_payload
 from vllm_omni_kv.errors import KVPayloadError
@@ -25,6 +27,12 @@ def _vllm_config(model_dir: Path) -> SimpleNamespace:
         model=str(model_dir), tokenizer=str(model_dir), hf_config=hf, dtype="float32"
     )
     return SimpleNamespace(model_config=model, cache_config=SimpleNamespace(cache_dtype="auto"))
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Weight digests are cached under this test's directory, not the user's."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
 
 
 @pytest.fixture
@@ -55,22 +63,28 @@ def test_other_weights_are_named_as_the_difference(
     assert a.differences(None) == ["the producer sent no compatibility identity"]
 
 
-def test_large_weight_files_are_sampled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Files above FULL_HASH_BYTES: size, header and evenly spaced slices decide."""
-    monkeypatch.setattr(compat, "FULL_HASH_BYTES", 1 << 10)
-    monkeypatch.setattr(compat, "SAMPLE_BYTES", 256)
-    monkeypatch.setattr(compat, "SAMPLES", 8)
-    w = tmp_path / "model.bin"
-    data = bytearray(range(256)) * 256  # 64 KiB
-    w.write_bytes(data)
-    base = weights_fingerprint(tmp_path)
-    data[0] ^= 1  # inside the first sample
-    w.write_bytes(data)
-    assert weights_fingerprint(tmp_path) != base
-    data[0] ^= 1
-    data[5000] ^= 1  # between samples: not seen (the documented trade-off)
-    w.write_bytes(data)
-    assert weights_fingerprint(tmp_path) == base
+def _tensor_bytes(path: Path, name: str) -> tuple[int, int]:
+    """``[start, end)`` file offsets of tensor ``name`` in a safetensors file (read from
+    its header here, as the format defines it)."""
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    a, b = json.loads(raw[8 : 8 + n])[name]["data_offsets"]
+    return 8 + n + a, 8 + n + b
+
+
+def test_a_twin_differing_in_one_k_proj_byte_is_named_as_the_difference(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    twin = tmp_path / "twin"
+    shutil.copytree(tiny_model_dir, twin)
+    weights = twin / "model.safetensors"
+    start, end = _tensor_bytes(weights, "model.layers.1.self_attn.k_proj.weight")
+    raw = bytearray(weights.read_bytes())
+    raw[(start + end) // 2] ^= 0x01  # one bit of one element
+    weights.write_bytes(raw)
+    a, b = engine_compat(_vllm_config(tiny_model_dir)), engine_compat(_vllm_config(twin))
+    diffs = a.differences(b.to_dict())
+    assert len(diffs) == 1 and diffs[0].startswith("weights"), diffs
 
 
 def test_payloads_from_an_incompatible_engine_are_refused(

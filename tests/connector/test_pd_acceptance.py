@@ -10,10 +10,15 @@ caching off, so a local run leaves nothing cached):
   are all released afterwards;
 - ``other_weights``: the producer's key, other weights (same architecture and tokenizer):
   it refuses the KV and recomputes.
+
+Hostile ``kv_transfer_params`` (non-finite numbers, strings, nested objects, a producer
+TP size of 10^7) sent to ``same`` each cost one locally computed request, no memory,
+and leave the engine serving.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import struct
@@ -175,5 +180,61 @@ def test_untrusted_producer_in_kv_transfer_params_is_computed_locally(
     assert "not in kv_connector_extra_config.trusted_producers" in "\n".join(pd["same"].log_lines)
     # the producer still holds the payload: the genuine params load it
     r = _generate(pd["same"], prompts, params)
+    assert r["outputs"][0]["kv_transfer_params"]["omni_kv_load"]["ok"] is True
+    assert r["outputs"][0]["token_ids"] == want
+
+
+def _rss_kib(pgid: int) -> int:
+    """Resident memory of every process of an engine's process group (KiB)."""
+    total = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[2]) != pgid:
+                    continue
+            with open(f"/proc/{pid}/status") as f:
+                total += next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS:"))
+        except (OSError, StopIteration, ValueError, IndexError):
+            continue
+    return total
+
+
+def test_hostile_kv_transfer_params_cost_one_local_request(
+    pd: dict[str, Any], models: dict[str, Path]
+) -> None:
+    """Attacks 1 and 2 of issue 22 against a running consumer: ``Infinity`` as a port or
+    TP size once raised OverflowError in the scheduler and killed the engine; a TP size
+    of 10^7 once allocated 2.8 GB over 13 s before any cap applied."""
+    eng, prompts = pd["same"], make_prompts(models["producer"], 1, seed=13)
+    local = _generate(eng, prompts, [None])
+    want = local["outputs"][0]["token_ids"]
+    good = _prefill(pd["producer"], prompts)[0]
+    hostile = [
+        {**good, "remote_port": math.inf},
+        {**good, "remote_port": -math.inf},
+        {**good, "remote_port": math.nan},
+        {**good, "tp_size": math.inf},
+        {**good, "remote_port": 70000},
+        {**good, "remote_port": "eighty"},
+        {**good, "tp_size": {"a": [1, {"b": 2}]}},
+        {**good, "remote_engine_id": {"nested": [1, 2]}},
+        {**good, "remote_request_id": ["x", "y"]},
+        {**good, "remote_host": {"h": 1}},
+    ]
+    r = _generate(eng, prompts * len(hostile), hostile)
+    for o in r["outputs"]:
+        assert o["token_ids"] == want  # computed locally
+        assert not (o.get("kv_transfer_params") or {}).get("omni_kv_load")  # nothing loaded
+
+    before = _rss_kib(eng.proc.pid)
+    r = _generate(eng, prompts, [{**good, "tp_size": 10**7}])
+    grown_kib = _rss_kib(eng.proc.pid) - before
+    assert r["outputs"][0]["token_ids"] == want
+    assert grown_kib < 8 * 1024, f"RSS grew by {grown_kib} KiB"
+    assert r["seconds"] < 3 * local["seconds"] + 2.0, (r["seconds"], local["seconds"])
+    refused = [ln for ln in eng.log_lines if "kv_transfer_params with do_remote_prefill are" in ln]
+    assert len(refused) >= len(hostile) + 1, refused[-3:]
+
+    r = _generate(eng, prompts, [good])  # still serving: the genuine params load the KV
     assert r["outputs"][0]["kv_transfer_params"]["omni_kv_load"]["ok"] is True
     assert r["outputs"][0]["token_ids"] == want

@@ -292,8 +292,9 @@ def test_copy_pages_refuses_pages_outside_either_cache(pair: tuple[int, int]) ->
 
 
 def _payload(ids: list[int], num_tokens: int, digests: bool = True) -> dict[str, Any]:
-    _buf, views = _vllm_like("LBHNC", torch.bfloat16, seed=5)
-    shared = {"region": {"kind": "test"}, "hold": "h", "geometry": [[0, [1], [1]]]}
+    buf, views = _vllm_like("LBHNC", torch.bfloat16, seed=5)
+    geometry = layer_geometry(views, buf.data_ptr(), buf.numel())
+    shared = {"region": {"kind": "test"}, "hold": "h", "geometry": geometry}
     data = describe_request(
         "r", ids, num_tokens, views, _ident("LBHNC", torch.bfloat16), shared,
         digests=digests, metadata={"engine": "p"},

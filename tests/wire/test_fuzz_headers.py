@@ -16,14 +16,14 @@ from typing import Any
 import msgpack
 import pytest
 import torch
-import xxhash
+from _frame_forge import repack
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from vllm_omni_kv.errors import KVPayloadError
 from vllm_omni_kv.wire import codec
 from vllm_omni_kv.wire.auth import AuthKey
-from vllm_omni_kv.wire.digests import chunk_count, head_digest
+from vllm_omni_kv.wire.digests import head_digest
 from vllm_omni_kv.wire.stream import ArrivedFrameStream
 
 CHUNK = 256
@@ -51,61 +51,8 @@ BASE_HEADER = msgpack.unpackb(
 DATA = BASE_RAW[BASE.data_start : BASE.data_start + BASE.data_len]
 
 
-def _repack(
-    header: Any | bytes,
-    *,
-    data: bytes = DATA,
-    data_len: int | None = None,
-    digests: int | None = None,
-    chunk: int = CHUNK,
-    flags: int = 0,
-) -> bytearray:
-    """A frame with ``header`` (an object, or raw msgpack bytes) over ``data``, its digest
-    trailer rebuilt for the spans the header declares when they make sense, and a valid
-    prelude checksum (what a forger who knows the format produces)."""
-    hb = header if isinstance(header, bytes) else msgpack.packb(header, use_bin_type=True)
-    data_start = codec.align_up(codec.PRELUDE_SIZE + len(hb))
-    dlen = len(data) if data_len is None else data_len
-    spans = _declared_spans(header)
-    c = header.get("c") if isinstance(header, dict) else None
-    c = c if isinstance(c, int) and not isinstance(c, bool) and c >= 64 else chunk
-    n = chunk_count(spans, c) if spans is not None else 0
-    n = n if digests is None else digests
-    n = min(n, 1 << 16)
-    buf = bytearray(data_start + len(data) + 8 * n)
-    codec.PRELUDE.pack_into(
-        buf, 0, codec.MAGIC, codec.VERSION, codec.CHECKSUM_XXH3, flags, len(hb), dlen, 0, n
-    )
-    buf[codec.PRELUDE_SIZE : codec.PRELUDE_SIZE + len(hb)] = hb
-    buf[data_start : data_start + len(data)] = data
-    trailer = data_start + len(data)
-    if spans is not None:
-        k = 0
-        for off, nb in sorted(s for s in spans if s[1] > 0):
-            for pos in range(0, nb, c):
-                if k >= n:
-                    break
-                a, b = data_start + off + pos, data_start + off + min(pos + c, nb)
-                struct.pack_into("<Q", buf, trailer + 8 * k, xxhash.xxh3_64_intdigest(buf[a:b]))
-                k += 1
-    try:
-        p = codec.Prelude(codec.CHECKSUM_XXH3, len(hb), dlen, 0, n, flags)
-        if p.total <= len(buf):
-            struct.pack_into("<Q", buf, codec.CHECKSUM_OFFSET, head_digest(memoryview(buf), p))
-    except (ValueError, struct.error):
-        pass
-    return buf
-
-
-def _declared_spans(header: Any) -> list[tuple[int, int]] | None:
-    try:
-        spans = [(int(e[2]), int(e[3])) for e in header["t"]]
-        spans += [(int(e[0]), int(e[1])) for e in header["b"]]
-    except Exception:
-        return None
-    if any(off < 0 or nb < 0 or off + nb > len(DATA) for off, nb in spans):
-        return None
-    return spans
+def _repack(header: Any | bytes, *, data: bytes = DATA, **over: Any) -> bytearray:
+    return repack(header, data, CHUNK, **over)
 
 
 def _check(buf: bytearray) -> None:

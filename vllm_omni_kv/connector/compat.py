@@ -6,32 +6,29 @@ compares it with its own before it writes a byte, and a mismatch fails the load 
 the fields that differ (vLLM then recomputes). Fields: the model architecture and a
 digest of its config (paths and version stamps left out), a digest of the tokenizer
 files, a fingerprint of the weights, the model and KV cache dtypes, and the vLLM and
-payload format versions. The weights fingerprint hashes every weight file whole up to
-:data:`FULL_HASH_BYTES`; a larger file contributes its size, its safetensors header
-(names, dtypes, shapes, offsets) and :data:`SAMPLES` evenly spaced slices of
-:data:`SAMPLE_BYTES` (cheap, and equal for the same weights under any path). The cache
-layout is compared separately by the paged-blocks format, which converts between
-layouts where that is lossless; the block size and TP sizes by the load itself.
+payload format versions. The weights fingerprint covers every byte of every weight
+file (each file's xxh3-128, cached per file across restarts by
+:mod:`~vllm_omni_kv.connector.weights_digest`) and is equal for the same weights under
+any path. The cache layout is compared separately by the paged-blocks format, which
+converts between layouts where that is lossless; the block size and TP sizes by the
+load itself.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vllm_omni_kv.connector.weights_digest import DigestCache, file_digests
 from vllm_omni_kv.logger import init_logger
 from vllm_omni_kv.wire.prelude import VERSION as FRAME_VERSION
 
 logger = init_logger(__name__)
 
-FULL_HASH_BYTES = 64 << 20
-SAMPLES = 64
-SAMPLE_BYTES = 64 << 10
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -57,30 +54,17 @@ def _digest(parts: Iterable[bytes]) -> str:
     return h.hexdigest()
 
 
-def _file_fingerprint(path: Path) -> bytes:
-    size = path.stat().st_size
-    with path.open("rb") as f:
-        if size <= FULL_HASH_BYTES:
-            return size.to_bytes(8, "little") + hashlib.blake2b(f.read(), digest_size=16).digest()
-        parts = [size.to_bytes(8, "little")]
-        if path.suffix == ".safetensors":
-            (n,) = struct.unpack("<Q", f.read(8))
-            parts.append(f.read(min(n, 16 << 20)))
-        for i in range(SAMPLES):
-            f.seek((size - SAMPLE_BYTES) * i // max(1, SAMPLES - 1))
-            parts.append(f.read(SAMPLE_BYTES))
-    return bytes.fromhex(_digest(parts))
-
-
-def weights_fingerprint(model_dir: Path) -> str:
-    """A digest of the weight files in ``model_dir`` (names do not matter, contents do)."""
+def weights_fingerprint(model_dir: Path, cache: DigestCache | None = None) -> str:
+    """A digest of every byte of the weight files in ``model_dir`` (names do not matter,
+    contents do); per-file digests come through ``cache`` (default: the user's cache)."""
     files = sorted(
         (p for p in model_dir.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file()),
         key=lambda p: p.name,
     )
     if not files:
         return "none"
-    return _digest(_file_fingerprint(p) for p in files)
+    digests = file_digests(files, cache if cache is not None else DigestCache.default())
+    return _digest(bytes.fromhex(d) for d in digests)
 
 
 def tokenizer_digest(tokenizer_dir: Path) -> str:

@@ -176,11 +176,17 @@ class KVLayoutId:
 
     @classmethod
     def from_dict(cls, d: Any) -> KVLayoutId:
-        names = {f.name for f in fields(cls)}
-        if not isinstance(d, dict) or not names - {"backend"} <= set(d):
+        kinds = {f.name: str if f.type == "str" else int for f in fields(cls)}
+        if not isinstance(d, dict) or not set(kinds) - {"backend"} <= set(d):
             raise KVPayloadError(f"paged-blocks payload has no valid layout identity: {d!r}")
+        for k, kind in kinds.items():
+            if k in d and (type(d[k]) is not kind):
+                raise KVPayloadError(
+                    f"paged-blocks payload layout identity field {k!r} is not a {kind.__name__}: "
+                    f"{d[k]!r}"
+                )
         try:
-            return cls(**{k: v for k, v in d.items() if k in names})
+            return cls(**{k: v for k, v in d.items() if k in kinds})
         except (ConfigError, TypeError) as e:
             raise KVPayloadError(f"paged-blocks payload layout identity is invalid: {e}") from None
 

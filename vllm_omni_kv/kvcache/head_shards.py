@@ -49,7 +49,7 @@ def _merge_layer(parts: list[torch.Tensor | None], name: str, layer: int) -> tor
     tensors = [p for p in parts if p is not None]
     first = tensors[0]
     for i, t in enumerate(tensors):
-        if t.dim() != 3:
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
             raise KVPayloadError(f"{name}[{layer}] of shard #{i} must be [seq, heads, dim]")
         if t.shape[0] != first.shape[0]:
             raise KVPayloadError(

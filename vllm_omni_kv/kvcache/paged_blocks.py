@@ -7,13 +7,12 @@ request's ``n`` blocks in the producer's intra-block order (``[ratio, H, N, C]``
 skipped layer). The metadata is :class:`~vllm_omni_kv.kvcache.meta.PayloadMeta`
 whose ``kv_layout`` is the producer's :class:`KVLayoutId`.
 
-A receiver plans where each page goes (:func:`plan_block_injection`). When both
-identities give the bytes the same meaning, a page is copied byte for byte (one
-memcpy per run of blocks into a host cache); when they differ losslessly (CPU vs
-FlashAttention packing, NHD vs HND, other kernel blocks) each layer is converted
-through K/V token views on the consumer's device; otherwise the load fails with
-both identities named. The plan names the frame byte spans it needs, so a consumer
-that already holds the first blocks of a prompt loads only the rest.
+A receiver plans where each page goes (:func:`plan_block_injection`): byte for byte
+(one memcpy per run of blocks into a host cache) when both identities give the bytes
+the same meaning; through K/V token views on the consumer's device when they differ
+losslessly (CPU vs FlashAttention packing, NHD vs HND, other kernel blocks); else the
+load fails naming both. The plan names the frame spans it needs, so a consumer
+holding the first blocks of a prompt loads only the rest.
 """
 
 from __future__ import annotations
@@ -52,8 +51,7 @@ from vllm_omni_kv.wire.payload import KVCacheTransferData
 from vllm_omni_kv.wire.stream import CopyOut, PayloadStream, Span
 
 KV_BLOCKS = "kv_blocks"
-#: what ``layout`` arguments accept: an identity, None (infer from the tensor), or
-#: ``"cpu"`` (vLLM's CPU backend, the name earlier releases used)
+#: a ``layout`` argument: an identity, None (read from the tensor) or "cpu" (vLLM's CPU backend)
 LayoutArg = KVLayoutId | str | None
 
 
@@ -138,13 +136,13 @@ def extract_request_blocks(
 
 
 def is_block_payload(data: dict[str, Any] | None) -> bool:
-    md = (data or {}).get("metadata") or {}
+    md = data.get("metadata") if isinstance(data, dict) else None
     return isinstance(md, dict) and md.get("format") == PAGED_BLOCKS
 
 
 def _block_layers(data: dict[str, Any]) -> tuple[PayloadMeta, KVLayoutId, list[Any]]:
-    meta = PayloadMeta.of(data)
-    layers = (data.get("layer_blocks") or {}).get(KV_BLOCKS)
+    meta, blocks = PayloadMeta.of(data), data.get("layer_blocks")
+    layers = blocks.get(KV_BLOCKS) if isinstance(blocks, dict) else None
     if meta.format != PAGED_BLOCKS or not isinstance(layers, list) or meta.kv_layout is None:
         raise KVPayloadError("not a paged-blocks payload (no kv_blocks list)")
     return meta, meta.kv_layout, layers
@@ -363,17 +361,31 @@ def plan_block_injection(
             raise KVPayloadError(f"payload has no KV for layer {i}, which the local model needs")
         ids = [int(b) for b in (block_ids if layer_ids is None else layer_ids[i])][:needed]
         start = first_block if layer_first is None else int(layer_first[i])
-        want = (needed - sent[i], *src_id.page_shape)
-        if tuple(src.shape) != want or src.element_size() != src_id.element_size:
-            raise KVPayloadError(
-                f"layer {i}: payload pages {tuple(src.shape)} do not match its layout "
-                f"identity ({src_id.describe()}: {want})"
-            )
+        _check_pages(i, src, needed - sent[i], src_id)
         check_window(i, start, sent[i], needed, len(ids))
         check_view(cache, dst_id, f"local layer {i}")
         if start < needed:
             copies.append(_Copy(src[start - sent[i] :], cache, ids[start:]))
+    _check_disjoint([c.src for c in copies])
     return BlocksPlan(meta.num_tokens, copies, src_id, dst_id)
+
+
+def _check_pages(i: int, src: Any, n: int, ident: KVLayoutId) -> None:
+    """Layer ``i`` of a payload must be ``n`` pages of ``ident`` (a tensor)."""
+    want = (n, *ident.page_shape)
+    got = tuple(src.shape) if isinstance(src, torch.Tensor) else type(src).__name__
+    if got != want or src.element_size() != ident.element_size:
+        raise KVPayloadError(
+            f"layer {i}: payload pages {got} do not match its layout identity "
+            f"({ident.describe()}: {want}); the local model needs every layer"
+        )
+
+
+def _check_disjoint(pages: Sequence[torch.Tensor]) -> None:
+    """Refuse layers whose pages share bytes (each layer of a payload has its own)."""
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.nbytes) for t in pages if t.numel())
+    if any(b[0] < a[1] for a, b in zip(spans, spans[1:])):
+        raise KVPayloadError("payload layers share their page bytes: a corrupt payload")
 
 
 def inject_request_blocks(
@@ -416,14 +428,13 @@ def blocks_to_tokens(data: dict[str, Any]) -> dict[str, Any]:
             f"{what} payload has no K/V to merge or slice across TP sizes: run "
             "producer and consumer with the same TP size"
         )
-    n = meta.num_tokens
-    keys: list[Any] = []
-    values: list[Any] = []
-    for raw in layers:
+    n, keys, values = meta.num_tokens, list[Any](), list[Any]()
+    for i, raw in enumerate(layers):
         if raw is None:
             keys.append(None)
             values.append(None)
             continue
+        _check_pages(i, raw, meta.num_blocks, ident)
         k, v = block_token_views(logical_from_pages(raw, ident), ident)
         assert v is not None
         for out, t in ((keys, k), (values, v)):

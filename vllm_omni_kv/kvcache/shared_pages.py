@@ -48,6 +48,20 @@ def layer_geometry(caches: Sequence[torch.Tensor], base_ptr: int, nbytes: int) -
     return out
 
 
+def _int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _layer_geometry(g: Any) -> bool:
+    """``[byte offset, shape (4 ints), stride (4 ints)]``."""
+    return (
+        isinstance(g, list)
+        and len(g) == 3
+        and _int(g[0])
+        and all(isinstance(v, list) and len(v) == 4 and all(map(_int, v)) for v in g[1:])
+    )
+
+
 def attach_layers(
     region: torch.Tensor, geometry: Any, ident: KVLayoutId, dtype: torch.dtype
 ) -> list[torch.Tensor]:
@@ -61,11 +75,10 @@ def attach_layers(
     typed = region[: total - total % esize].view(dtype)
     views: list[torch.Tensor] = []
     for i, g in enumerate(geometry):
-        try:
-            off, shape, stride = int(g[0]), [int(s) for s in g[1]], [int(s) for s in g[2]]
-        except (TypeError, ValueError, IndexError, KeyError):
-            raise KVPayloadError(f"shared-pages payload: layer {i} geometry {g!r}") from None
-        if len(shape) != 4 or len(stride) != 4 or min(shape) < 1 or min(stride) < 0:
+        if not _layer_geometry(g):
+            raise KVPayloadError(f"shared-pages payload: layer {i} geometry {g!r}")
+        off, shape, stride = g[0], list(g[1]), list(g[2])
+        if min(shape) < 1 or min(stride) < 0:
             raise KVPayloadError(f"shared-pages payload: layer {i} shape/stride {shape}/{stride}")
         last = sum((s - 1) * st for s, st in zip(shape, stride, strict=True))
         if off < 0 or off % esize or off + (last + 1) * esize > total:
@@ -133,7 +146,7 @@ def describe_request(
 
 
 def is_shared_payload(data: dict[str, Any] | None) -> bool:
-    md = (data or {}).get("metadata") or {}
+    md = data.get("metadata") if isinstance(data, dict) else None
     return isinstance(md, dict) and md.get("format") == SHARED_PAGES
 
 
@@ -147,6 +160,11 @@ def shared_fields(data: dict[str, Any]) -> tuple[PayloadMeta, dict[str, Any], li
         raise KVPayloadError("shared-pages payload without its region or block ids")
     if len(ids) != meta.num_blocks or not all(isinstance(b, int) and b >= 0 for b in ids):
         raise KVPayloadError(f"shared-pages payload: {len(ids)} block ids for {meta.num_blocks}")
+    geometry = shared.get("geometry")
+    if not isinstance(geometry, list) or len(geometry) != meta.num_layers:
+        raise KVPayloadError(
+            f"shared-pages payload: layer geometry for {meta.num_layers} layers expected"
+        )
     sums = shared.get("sums")
     if sums is not None and (
         not isinstance(sums, list)

@@ -237,21 +237,23 @@ def inject_request_kv(
 
 def map_layer_tensors(data: dict[str, Any], fn: Any) -> dict[str, Any]:
     """``data`` with ``fn`` applied to every tensor of its per-layer lists."""
+    given = data.get("layer_blocks")
     blocks = {
         name: [fn(t) if isinstance(t, torch.Tensor) else t for t in layers]
         if isinstance(layers, list)
         else layers
-        for name, layers in (data.get("layer_blocks") or {}).items()
+        for name, layers in (given.items() if isinstance(given, dict) else ())
     }
     return {**data, "layer_blocks": blocks}
 
 
 def trim_to_num_tokens(data: dict[str, Any]) -> dict[str, Any]:
     """Keep the first ``metadata.num_tokens`` rows of each tensor (views)."""
-    n = (data.get("metadata") or {}).get("num_tokens")
+    md = data.get("metadata")
+    n = md.get("num_tokens") if isinstance(md, dict) else None
     if not isinstance(n, int) or isinstance(n, bool) or n < 0:
         return data
-    return map_layer_tensors(data, lambda t: t[:n] if t.shape[0] > n else t)
+    return map_layer_tensors(data, lambda t: t[:n] if t.dim() and t.shape[0] > n else t)
 
 
 def to_device(data: dict[str, Any], device: torch.device) -> dict[str, Any]:

@@ -44,9 +44,11 @@ def _nbytes(t: Any) -> int:
     return 0
 
 
-def _layer_lists(layer_blocks: dict[str, Any]) -> int | None:
+def _layer_lists(layer_blocks: Any) -> int | None:
     """The common per-layer list length, or None when the payload is not layer-indexed."""
-    if not layer_blocks or not all(isinstance(v, list) for v in layer_blocks.values()):
+    if not isinstance(layer_blocks, dict) or not layer_blocks:
+        return None
+    if not all(isinstance(v, list) for v in layer_blocks.values()):
         return None
     lengths = {len(v) for v in layer_blocks.values()}
     return lengths.pop() if len(lengths) == 1 else None
@@ -83,8 +85,8 @@ def split_payload(data: KVCacheTransferData, max_part_bytes: int) -> list[KVCach
 
 def part_info(obj: dict[str, Any]) -> tuple[int, int, int] | None:
     """``(part_index, num_parts, layer_start)`` of a received part; None for a whole payload."""
-    meta = obj.get("metadata") or {}
-    if PART_INDEX not in meta and NUM_PARTS not in meta:
+    meta = obj.get("metadata") if isinstance(obj, dict) else None
+    if not isinstance(meta, dict) or (PART_INDEX not in meta and NUM_PARTS not in meta):
         return None
     index, num, start = meta.get(PART_INDEX), meta.get(NUM_PARTS), meta.get(LAYER_START)
     for name, value in ((PART_INDEX, index), (NUM_PARTS, num), (LAYER_START, start)):
@@ -101,7 +103,7 @@ def part_info(obj: dict[str, Any]) -> tuple[int, int, int] | None:
 
 
 def part_layer_count(obj: dict[str, Any]) -> int:
-    n = _layer_lists(obj.get("layer_blocks") or {})
+    n = _layer_lists(obj.get("layer_blocks"))
     if not n:
         raise KVPayloadError("a KV part must carry per-layer lists in layer_blocks")
     return n
@@ -133,20 +135,24 @@ def join_parts(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
         return parts[0]
     first = parts[0]
     layer = 0
-    layer_blocks: dict[str, list[Any]] = {name: [] for name in first.get("layer_blocks") or {}}
+    layer_blocks: dict[str, list[Any]] = {}
     for i, p in enumerate(parts):
+        if not isinstance(p, dict):
+            raise KVPayloadError(f"KV part {i} is a {type(p).__name__}, not a payload mapping")
         layer = _check_part(p, i, len(parts), first.get("request_id"), layer)
-        blocks = p.get("layer_blocks") or {}
+        blocks = p["layer_blocks"]  # a mapping of per-layer lists (part_layer_count)
+        layer_blocks = layer_blocks or {name: [] for name in blocks}
         if set(blocks) != set(layer_blocks):
             raise KVPayloadError(f"KV part {i} carries layer_blocks {sorted(blocks)}")
         for name, layers in blocks.items():
             layer_blocks[name].extend(layers)
     part_fields = (PART_INDEX, NUM_PARTS, LAYER_START)
-    meta = {k: v for k, v in (first.get("metadata") or {}).items() if k not in part_fields}
+    meta = {k: v for k, v in first["metadata"].items() if k not in part_fields}
+    ids = first.get("block_ids")
     return {
         "request_id": first.get("request_id"),
         "layer_blocks": layer_blocks,
-        "block_ids": list(first.get("block_ids") or []),
+        "block_ids": list(ids) if isinstance(ids, list) else [],
         "metadata": meta,
     }
 
