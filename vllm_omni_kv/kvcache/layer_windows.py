@@ -59,8 +59,14 @@ def first_blocks_field(windows: Sequence[Window]) -> dict[str, Any]:
     return {LAYER_FIRST_BLOCKS: [first for _ids, first in windows]}
 
 
+#: the most layers a payload may declare (models have hundreds at most)
+MAX_LAYERS = 1 << 16
+
+
 def payload_first_blocks(md: dict[str, Any], num_layers: int, needed: int) -> list[int]:
     """Each payload layer's first block (all 0 for a single-table payload); checked."""
+    if not 0 <= num_layers <= MAX_LAYERS:
+        raise KVPayloadError(f"KV payload declares {num_layers} layers (at most {MAX_LAYERS})")
     raw = md.get(LAYER_FIRST_BLOCKS)
     if raw is None:
         return [0] * num_layers

@@ -9,10 +9,9 @@ whose ``kv_layout`` is the producer's :class:`KVLayoutId`.
 
 A receiver plans where each page goes (:func:`plan_block_injection`): byte for byte
 (one memcpy per run of blocks into a host cache) when both identities give the bytes
-the same meaning; through K/V token views on the consumer's device when they differ
-losslessly (CPU vs FlashAttention packing, NHD vs HND, other kernel blocks); else the
-load fails naming both. The plan names the frame spans it needs, so a consumer
-holding the first blocks of a prompt loads only the rest.
+the same meaning; through K/V token views when they differ losslessly (CPU vs
+FlashAttention packing, NHD vs HND, other kernel blocks); else the load fails naming
+both. The plan names the frame spans it needs (a local prefix is not loaded).
 """
 
 from __future__ import annotations
@@ -353,6 +352,8 @@ def plan_block_injection(
         raise KVPayloadError(f"first block {first_block} is outside the payload's {needed} blocks")
     md = data.get("metadata") or {}
     sent = payload_first_blocks(md, meta.num_layers, needed)[layer_offset:]
+    if len(sent) < len(layers):
+        raise KVPayloadError(f"payload declares {meta.num_layers} layers and holds {len(layers)}")
     copies = []
     for i, (src, cache) in enumerate(zip(layers, kv_caches, strict=True)):
         if cache is None:
