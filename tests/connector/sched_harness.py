@@ -116,7 +116,7 @@ def _config(model_dir: Path, role: str, ns: str, extra: dict[str, Any], nblocks:
 
 
 @contextmanager
-def _agent(connector: OmniKVConnector) -> Iterator[None]:
+def agent(connector: OmniKVConnector) -> Iterator[None]:
     """``connector`` as the process's KV transfer group (what vLLM's worker sets up)."""
     before = kv_transfer_state._KV_CONNECTOR_AGENT
     kv_transfer_state._KV_CONNECTOR_AGENT = connector
@@ -192,7 +192,7 @@ class Engine:
                 tables = self.sched.kv_cache_manager.get_block_ids(rid)
                 self.tables[rid] = [list(t) for t in tables]
                 self.blocks[rid] = self.tables[rid][0]
-        with _agent(self.worker):
+        with agent(self.worker):
             if so.total_num_scheduled_tokens == 0:
                 out = KVConnectorModelRunnerMixin.kv_connector_no_forward(so, self.config)
             else:
@@ -250,3 +250,25 @@ class Engine:
     def close(self) -> None:
         self.worker.shutdown()
         self.sched.shutdown()
+
+
+def prefill(prod: Engine, rid: str, prompt: list[int]) -> dict[str, Any]:
+    """The producer prefills ``rid``; the ``kv_transfer_params`` it hands a consumer."""
+    prod.add(rid, prompt, {"do_remote_decode": True})
+    prod.run_until(lambda: rid in prod.finished)
+    params = prod.finished[rid]
+    assert params is not None and params["do_remote_prefill"], params
+    return params
+
+
+def decode(
+    prod: Engine, cons: Engine, rid: str, prompt: list[int], params: dict[str, Any]
+) -> dict[str, Any]:
+    """The consumer runs ``rid`` with ``params`` (the producer steps until its blocks go
+    back); the request's ``omni_kv_load``."""
+    cons.add(rid, prompt, dict(params))
+    cons.run_until(lambda: rid in cons.finished)
+    prod.run_until(lambda: rid in prod.sent)
+    out = cons.finished[rid]
+    assert out is not None
+    return dict(out["omni_kv_load"])

@@ -24,8 +24,7 @@ import statistics
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -34,8 +33,8 @@ import torch
 pytest.importorskip("vllm")
 
 from _kv_fixtures import BS, LAYERS, cpu_layout_cache, reference_kv  # noqa: E402
+from sched_harness import agent  # noqa: E402
 from vllm.config import CacheConfig, KVTransferConfig, VllmConfig  # noqa: E402
-from vllm.distributed.kv_transfer import kv_transfer_state  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.forward_context import set_forward_context  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
@@ -146,17 +145,6 @@ class Side:
 
 
 # -- the two runners' call sequences --------------------------------------------------------
-@contextmanager
-def _agent(connector: OmniKVConnector) -> Iterator[None]:
-    """``connector`` as the process's KV transfer group (what vLLM's worker sets up)."""
-    before = kv_transfer_state._KV_CONNECTOR_AGENT
-    kv_transfer_state._KV_CONNECTOR_AGENT = connector
-    try:
-        yield
-    finally:
-        kv_transfer_state._KV_CONNECTOR_AGENT = before
-
-
 def _forward() -> None:
     time.sleep(FORWARD_S)
 
@@ -169,14 +157,14 @@ class Runner:
         self.kind, self.side = kind, side
         self.attn_metadata = {name: object() for name in side.caches}  # per-layer, opaque
         self.buffers = InputBuffers(8, 64, torch.device("cpu"))
-        with _agent(side.worker):
+        with agent(side.worker):
             # V2: ActiveKVConnector registers the caches; V1's runner does it itself
             self.active = ActiveKVConnector(side.config, side.caches) if kind == "v2" else None
         if self.active is None:
             side.worker.register_kv_caches(side.caches)
 
     def step(self, so: SchedulerOutput) -> tuple[KVConnectorOutput | None, float]:
-        with _agent(self.side.worker):
+        with agent(self.side.worker):
             if self.active is None and so.kv_connector_metadata is not None:
                 # V1's GPU model runner, first thing in execute_model (V2: pre_forward)
                 self.side.worker.handle_preemptions(so.kv_connector_metadata)

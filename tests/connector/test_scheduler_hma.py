@@ -20,7 +20,7 @@ import torch
 pytest.importorskip("vllm")
 
 from _kv_fixtures import BS, DIM, HEADS  # noqa: E402
-from sched_harness import FULL, HYBRID_BLOCKS, SLIDING, WINDOW, Engine  # noqa: E402
+from sched_harness import FULL, HYBRID_BLOCKS, SLIDING, WINDOW, Engine, decode, prefill  # noqa: E402
 from vllm.v1.engine import FinishReason  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
@@ -65,23 +65,6 @@ def _prompt(tag: int, n: int = N) -> list[int]:
     return [tag, *((i * 7919) % 2003 + 1 for i in range(n - 1))]  # its own first token
 
 
-def _prefill(prod: Engine, rid: str, prompt: list[int]) -> dict:
-    prod.add(rid, prompt, {"do_remote_decode": True})
-    prod.run_until(lambda: rid in prod.finished)
-    params = prod.finished[rid]
-    assert params is not None and params["do_remote_prefill"], params
-    return params
-
-
-def _decode(prod: Engine, cons: Engine, rid: str, prompt: list[int], params: dict) -> dict:
-    cons.add(rid, prompt, dict(params))
-    cons.run_until(lambda: rid in cons.finished)
-    prod.run_until(lambda: rid in prod.sent)  # the producer's blocks go back
-    out = cons.finished[rid]
-    assert out is not None
-    return dict(out["omni_kv_load"])
-
-
 def _same_kv(prod: Engine, cons: Engine, rid: str, group: int, start: int, end: int) -> None:
     got, want = cons.kv(rid, start, end, group), prod.kv(rid, start, end, group)
     assert len(got) == len(want) == 4  # K and V of the group's two layers
@@ -98,7 +81,7 @@ def test_each_group_gets_the_blocks_it_keeps(pair: tuple[Engine, Engine]) -> Non
     rid = f"long-{uuid.uuid4().hex[:6]}"
     prompt = _prompt(2001)
     null_before = _null_pages(cons)
-    params = _prefill(prod, rid, prompt)
+    params = prefill(prod, rid, prompt)
     first = kept_from(N)
     assert first == 7
     # remote_block_ids per group: the blocks each group of the producer keeps
@@ -106,7 +89,7 @@ def test_each_group_gets_the_blocks_it_keeps(pair: tuple[Engine, Engine]) -> Non
         prod.tables[rid][SLIDE][first : blocks(N)],
         prod.tables[rid][FULLG][: blocks(N)],
     ]
-    load = _decode(prod, cons, rid, prompt, params)
+    load = decode(prod, cons, rid, prompt, params)
     assert load["ok"] is True and load["tokens"] == N, load
     # vLLM's consumer table: the null block before the window, its own blocks in it
     table = cons.tables[rid][SLIDE]
@@ -123,9 +106,9 @@ def test_a_local_prefix_hit_loads_each_group_after_it(pair: tuple[Engine, Engine
     prod, cons = pair
     prompt = _prompt(2002)
     first = f"prefix-a-{uuid.uuid4().hex[:6]}"
-    assert _decode(prod, cons, first, prompt, _prefill(prod, first, prompt))["ok"]
+    assert decode(prod, cons, first, prompt, prefill(prod, first, prompt))["ok"]
     again = f"prefix-b-{uuid.uuid4().hex[:6]}"
-    load = _decode(prod, cons, again, prompt, _prefill(prod, again, prompt))
+    load = decode(prod, cons, again, prompt, prefill(prod, again, prompt))
     hit = (N - 1) // BS * BS  # vLLM's local hit: every full block but the last token's
     assert load["ok"] is True and load["tokens"] == N - hit, load
     a, b = cons.tables[first], cons.tables[again]
@@ -144,7 +127,7 @@ def test_a_refused_payload_fails_the_request_not_the_scheduler(
     maps no block ids to requests there): vLLM fails the request and keeps going."""
     prod, cons = pair
     rid = f"refused-{uuid.uuid4().hex[:6]}"
-    params = _prefill(prod, rid, _prompt(2003))
+    params = prefill(prod, rid, _prompt(2003))
     other = _prompt(2004)  # not the prompt the producer prefilled
     cons.add(rid, other, dict(params))
     cons.run_until(lambda: rid in cons.finished)
@@ -159,7 +142,7 @@ def test_an_abort_while_loading_frees_both_sides(pair: tuple[Engine, Engine]) ->
     prod, cons = pair
     rid = f"abort-{uuid.uuid4().hex[:6]}"
     prompt = _prompt(2005, 150)
-    params = _prefill(prod, rid, prompt)
+    params = prefill(prod, rid, prompt)
     cons.add(rid, prompt, dict(params))
     cons.step()  # the load is scheduled: the request waits for its remote KV
     assert cons.sched.requests[rid].status == RequestStatus.WAITING_FOR_REMOTE_KVS

@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("vllm")
 
 from _kv_fixtures import NBLOCKS  # noqa: E402
-from sched_harness import Engine  # noqa: E402
+from sched_harness import Engine, decode, prefill  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 PROMPT = [(i * 7919) % 2003 + 1 for i in range(200)]
@@ -36,23 +36,6 @@ def pair(request: pytest.FixtureRequest, tiny_model_dir: Path) -> Iterator[tuple
         prod.close()
 
 
-def _prefill(prod: Engine, rid: str, prompt: list[int]) -> dict:
-    prod.add(rid, prompt, {"do_remote_decode": True})
-    prod.run_until(lambda: rid in prod.finished)
-    params = prod.finished[rid]
-    assert params is not None and params["do_remote_prefill"], params
-    return params
-
-
-def _decode(prod: Engine, cons: Engine, rid: str, prompt: list[int], params: dict) -> dict:
-    cons.add(rid, prompt, dict(params))
-    cons.run_until(lambda: rid in cons.finished)
-    prod.run_until(lambda: rid in prod.sent)  # the producer's blocks go back
-    out = cons.finished[rid]
-    assert out is not None
-    return dict(out["omni_kv_load"])
-
-
 def _same_kv(prod: Engine, cons: Engine, rid: str, start: int, end: int) -> None:
     for got, want in zip(cons.kv(rid, start, end), prod.kv(rid, start, end), strict=True):
         assert torch.equal(got, want)
@@ -63,7 +46,7 @@ def test_a_prompt_of_any_length_is_loaded_whole(pair: tuple[Engine, Engine], n: 
     prod, cons = pair
     rid = f"short-{n}-{uuid.uuid4().hex[:6]}"
     prompt = [n + 3, *PROMPT[: n - 1]]  # its own first token: no prefix hit anywhere
-    load = _decode(prod, cons, rid, prompt, _prefill(prod, rid, prompt))
+    load = decode(prod, cons, rid, prompt, prefill(prod, rid, prompt))
     assert load["ok"] is True and load["tokens"] == n and not load.get("local_hit"), load
     _same_kv(prod, cons, rid, 0, n)
 
@@ -72,9 +55,9 @@ def test_a_local_prefix_hit_loads_the_tokens_after_it(pair: tuple[Engine, Engine
     prod, cons = pair
     prompt = [2001, *PROMPT[:99]]  # 100 tokens: vLLM's local hit is 3 full blocks (96)
     first = f"prefix-a-{uuid.uuid4().hex[:6]}"
-    assert _decode(prod, cons, first, prompt, _prefill(prod, first, prompt))["ok"]
+    assert decode(prod, cons, first, prompt, prefill(prod, first, prompt))["ok"]
     again = f"prefix-b-{uuid.uuid4().hex[:6]}"
-    load = _decode(prod, cons, again, prompt, _prefill(prod, again, prompt))
+    load = decode(prod, cons, again, prompt, prefill(prod, again, prompt))
     assert load["ok"] is True and load["tokens"] == 100 - 96, load
     assert cons.blocks[again][:3] == cons.blocks[first][:3]  # the local hit, reused
     _same_kv(prod, cons, again, 96, 100)
@@ -84,7 +67,7 @@ def test_an_abort_while_loading_frees_both_sides(pair: tuple[Engine, Engine]) ->
     prod, cons = pair
     rid = f"abort-{uuid.uuid4().hex[:6]}"
     prompt = [2002, *PROMPT[:149]]
-    params = _prefill(prod, rid, prompt)
+    params = prefill(prod, rid, prompt)
     cons.add(rid, prompt, dict(params))
     cons.step()  # the load is scheduled: the request waits for its remote KV
     assert cons.sched.requests[rid].status == RequestStatus.WAITING_FOR_REMOTE_KVS
