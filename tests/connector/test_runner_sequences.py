@@ -62,8 +62,10 @@ PROMPT = [(i * 7919) % 2003 for i in range(SEQ)]
 DECODING = {"d0": 1, "d1": 1}  # other requests, one token per step each
 #: how long the other side waits before it acts (the transfer stays pending meanwhile)
 LATE_S = 0.3
-#: the most a decode step's connector calls may take (vLLM's forward excluded)
-STEP_BUDGET_S = 0.02
+#: the most a decode step's connector calls may take (vLLM's forward excluded): half the
+#: 100 ms idle wait a step mistaken for idle blocks in; the median must stay 4x below it
+#: (a single step of tens of ms happens when CI's other worker takes the core)
+STEP_BUDGET_S = 0.05
 FORWARD_S = 0.003  # the emulated forward pass (a decode step on a GPU takes about 10 ms)
 RUNNERS = ["v2", "v1"]
 
@@ -292,9 +294,10 @@ def test_a_late_load_does_not_stall_decoding(kind: str, ns: str) -> None:
                 assert not out.invalid_block_ids
         late.join(5)
         assert "r1" in done, "the load never finished"
-        assert max(decode_s) < STEP_BUDGET_S, (
+        median = statistics.median(decode_s)
+        assert max(decode_s) < STEP_BUDGET_S and median < STEP_BUDGET_S / 4, (
             f"{kind}: a decode step's connector calls took {max(decode_s) * 1e3:.0f} ms "
-            f"with a load in flight (median {statistics.median(decode_s) * 1e3:.1f} ms, "
+            f"with a load in flight (median {median * 1e3:.1f} ms, "
             f"{len(decode_s)} steps)"
         )
         assert len(decode_s) > 10, "the load landed before the decode steps ran"
