@@ -85,3 +85,15 @@ def repack(
     except (ValueError, struct.error):
         pass
     return buf
+
+
+def header_paths(tree: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """Every path (keys and indices) into a decoded header, the root included."""
+    out = [prefix]
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            out += header_paths(v, (*prefix, k))
+    elif isinstance(tree, list):
+        for i, v in enumerate(tree):
+            out += header_paths(v, (*prefix, i))
+    return out

@@ -49,7 +49,7 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 from vllm.v1.outputs import ModelRunnerOutput
-from vllm.v1.request import Request
+from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 
@@ -272,3 +272,21 @@ def decode(
     out = cons.finished[rid]
     assert out is not None
     return dict(out["omni_kv_load"])
+
+
+def abort_while_loading(
+    prod: Engine, cons: Engine, rid: str, prompt: list[int], num_blocks: int
+) -> None:
+    """vLLM aborts ``rid`` while its load is in flight: the consumer's blocks all go back
+    (``num_blocks`` in its pool, the null block aside), the producer's payload is
+    released and its blocks go back too."""
+    params = prefill(prod, rid, prompt)
+    cons.add(rid, prompt, dict(params))
+    cons.step()  # the load is scheduled: the request waits for its remote KV
+    assert cons.sched.requests[rid].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    cons.sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+    pool = cons.sched.kv_cache_manager.block_pool
+    free = num_blocks - 1
+    cons.run_until(lambda: not cons.sched.requests and pool.get_num_free_blocks() == free)
+    prod.run_until(lambda: rid in prod.sent)
+    assert prod.sched.kv_cache_manager.block_pool.get_num_free_blocks() == free

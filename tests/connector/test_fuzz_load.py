@@ -30,7 +30,7 @@ from typing import Any
 import msgpack
 import pytest
 import torch
-from _frame_forge import repack, split
+from _frame_forge import header_paths, repack, split
 from _kv_fixtures import reference_kv
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -299,17 +299,6 @@ WEIRD: list[Any] = [
 ]  # fmt: skip
 
 
-def _paths(tree: Any, prefix: tuple = ()) -> list[tuple]:
-    out = [prefix]
-    if isinstance(tree, dict):
-        for k, v in tree.items():
-            out += _paths(v, (*prefix, k))
-    elif isinstance(tree, list):
-        for i, v in enumerate(tree):
-            out += _paths(v, (*prefix, i))
-    return out
-
-
 def _get(tree: Any, path: tuple) -> Any:
     for p in path:
         tree = tree[p]
@@ -365,7 +354,7 @@ def mutated(draw: st.DrawFn, base: Any) -> Any:
     """``base`` with 1-3 mutations, most of them in the payload object (``"v"``)."""
     header = copy.deepcopy(base)
     for _ in range(draw(st.integers(1, 3))):
-        paths = [p for p in _paths(header) if p]
+        paths = [p for p in header_paths(header) if p]
         inner = [p for p in paths if p[0] == "v"]
         path = draw(st.sampled_from(inner if inner and draw(st.integers(0, 9)) < 7 else paths))
         node = _get(header, path)

@@ -20,9 +20,17 @@ import torch
 pytest.importorskip("vllm")
 
 from _kv_fixtures import BS, DIM, HEADS  # noqa: E402
-from sched_harness import FULL, HYBRID_BLOCKS, SLIDING, WINDOW, Engine, decode, prefill  # noqa: E402
+from sched_harness import (  # noqa: E402
+    FULL,
+    HYBRID_BLOCKS,
+    SLIDING,
+    WINDOW,
+    Engine,
+    abort_while_loading,
+    decode,
+    prefill,
+)
 from vllm.v1.engine import FinishReason  # noqa: E402
-from vllm.v1.request import RequestStatus  # noqa: E402
 
 N = 300  # tokens of the long prompt: 10 blocks, the window's 3 of them
 PAGE = HEADS * BS * 2 * DIM * 2  # bytes of one block of one bf16 layer
@@ -141,14 +149,4 @@ def test_a_refused_payload_fails_the_request_not_the_scheduler(
 def test_an_abort_while_loading_frees_both_sides(pair: tuple[Engine, Engine]) -> None:
     prod, cons = pair
     rid = f"abort-{uuid.uuid4().hex[:6]}"
-    prompt = _prompt(2005, 150)
-    params = prefill(prod, rid, prompt)
-    cons.add(rid, prompt, dict(params))
-    cons.step()  # the load is scheduled: the request waits for its remote KV
-    assert cons.sched.requests[rid].status == RequestStatus.WAITING_FOR_REMOTE_KVS
-    cons.sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
-    pool = cons.sched.kv_cache_manager.block_pool
-    free = HYBRID_BLOCKS - 1
-    cons.run_until(lambda: not cons.sched.requests and pool.get_num_free_blocks() == free)
-    prod.run_until(lambda: rid in prod.sent)  # its payload is released, its blocks go back
-    assert prod.sched.kv_cache_manager.block_pool.get_num_free_blocks() == free
+    abort_while_loading(prod, cons, rid, _prompt(2005, 150), HYBRID_BLOCKS)

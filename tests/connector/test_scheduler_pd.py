@@ -17,8 +17,7 @@ import torch
 pytest.importorskip("vllm")
 
 from _kv_fixtures import NBLOCKS  # noqa: E402
-from sched_harness import Engine, decode, prefill  # noqa: E402
-from vllm.v1.request import RequestStatus  # noqa: E402
+from sched_harness import Engine, abort_while_loading, decode, prefill  # noqa: E402
 
 PROMPT = [(i * 7919) % 2003 + 1 for i in range(200)]
 
@@ -66,14 +65,4 @@ def test_a_local_prefix_hit_loads_the_tokens_after_it(pair: tuple[Engine, Engine
 def test_an_abort_while_loading_frees_both_sides(pair: tuple[Engine, Engine]) -> None:
     prod, cons = pair
     rid = f"abort-{uuid.uuid4().hex[:6]}"
-    prompt = [2002, *PROMPT[:149]]
-    params = prefill(prod, rid, prompt)
-    cons.add(rid, prompt, dict(params))
-    cons.step()  # the load is scheduled: the request waits for its remote KV
-    assert cons.sched.requests[rid].status == RequestStatus.WAITING_FOR_REMOTE_KVS
-    cons.sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
-    pool = cons.sched.kv_cache_manager.block_pool
-    cons.run_until(lambda: not cons.sched.requests and pool.get_num_free_blocks() == NBLOCKS - 1)
-    prod.run_until(lambda: rid in prod.sent)  # its payload is released, its blocks go back
-    prod_pool = prod.sched.kv_cache_manager.block_pool
-    assert prod_pool.get_num_free_blocks() == NBLOCKS - 1
+    abort_while_loading(prod, cons, rid, [2002, *PROMPT[:149]], NBLOCKS)

@@ -16,7 +16,7 @@ from typing import Any
 import msgpack
 import pytest
 import torch
-from _frame_forge import repack
+from _frame_forge import header_paths, repack
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -134,18 +134,7 @@ WEIRD = st.sampled_from(
 )
 
 
-def _paths(tree: Any, prefix: tuple = ()) -> list[tuple]:
-    out = [prefix]
-    if isinstance(tree, dict):
-        for k, v in tree.items():
-            out += _paths(v, (*prefix, k))
-    elif isinstance(tree, list):
-        for i, v in enumerate(tree):
-            out += _paths(v, (*prefix, i))
-    return out
-
-
-PATHS = _paths(BASE_HEADER)
+PATHS = header_paths(BASE_HEADER)
 
 
 def _set(tree: Any, path: tuple, value: Any) -> Any:
@@ -162,7 +151,7 @@ def _set(tree: Any, path: tuple, value: Any) -> Any:
 def mutated_headers(draw: st.DrawFn) -> Any:
     header = copy.deepcopy(BASE_HEADER)
     for _ in range(draw(st.integers(1, 3))):
-        paths = _paths(header)
+        paths = header_paths(header)
         path = draw(st.sampled_from(paths))
         action = draw(st.sampled_from(["replace", "delete", "wrap", "append", "dup"]))
         if action == "replace" or not path:
