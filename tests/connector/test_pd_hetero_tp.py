@@ -1,12 +1,14 @@
 """Prefill/decode between engines of different tensor-parallel sizes (real vLLM, CPU, shm).
 
-The producer and consumer shard the KV heads differently, so the connector sends
-token-major K/V per target rank (the producer slices or the consumer merges head
-shards). Greedy tokens must equal the producer's own answer (a colocated engine: no
-transfer parameters; TP 1 and TP 2 give the same greedy tokens here, each case
-checks a TP-2 engine against a TP-1 one), with every request's KV really loaded. CPU
-TP needs one core per rank: ``VLLM_CPU_OMP_THREADS_BIND`` pins rank 0 to core 0 and
-rank 1 to core 1.
+Two ``kv_both`` engines, one of TP 2 and one of TP 1, each producer for the other:
+TP 2 -> TP 1 and TP 1 -> TP 2 run between the same two engines (``kv_both`` does both
+roles in one engine). The producer and consumer shard the KV heads differently, so the
+connector sends token-major K/V per target rank (the producer slices or the consumer
+merges head shards). Greedy tokens must equal the producer's own answer (no transfer
+parameters; TP 1 and TP 2 give the same greedy tokens here, so each direction checks a
+TP-2 engine against a TP-1 one), with every request's KV really loaded. CPU TP needs
+one core per rank: ``VLLM_CPU_OMP_THREADS_BIND`` pins rank 0 to core 0 and rank 1 to
+core 1.
 """
 
 from __future__ import annotations
@@ -35,24 +37,26 @@ def _cfg(model: Path, tp: int, ktc: dict | None = None) -> dict:
     return cfg
 
 
-@pytest.fixture(params=[(2, 1), (1, 2)], ids=["tp2-to-tp1", "tp1-to-tp2"])
-def pair(request: pytest.FixtureRequest, tiny_model_dir: Path) -> Iterator[tuple[Any, Any, int]]:
-    """A producer and a consumer of the TP sizes ``request.param``, and the producer's TP."""
-    prod_tp, cons_tp = request.param
-    prod_ktc = omni_ktc("kv_producer", backend="shm", target_tp_size=cons_tp)
-    cons_ktc = omni_ktc("kv_consumer", "fail", backend="shm", recv_timeout=60)
+@pytest.fixture(scope="module")
+def both(tiny_model_dir: Path) -> Iterator[dict[int, Any]]:
+    """A TP-2 and a TP-1 ``kv_both`` engine, each configured for the other's TP size."""
+
+    def ktc(target_tp: int) -> dict[str, Any]:
+        return omni_ktc("kv_both", "fail", backend="shm", target_tp_size=target_tp, recv_timeout=60)
+
     with engines(
-        (f"tp{prod_tp}-producer", _cfg(tiny_model_dir, prod_tp, prod_ktc)),
-        (f"tp{cons_tp}-consumer", _cfg(tiny_model_dir, cons_tp, cons_ktc)),
-    ) as (prod, cons):
-        yield prod, cons, prod_tp
+        ("tp2-both", _cfg(tiny_model_dir, 2, ktc(1))),
+        ("tp1-both", _cfg(tiny_model_dir, 1, ktc(2))),
+    ) as (tp2, tp1):
+        yield {2: tp2, 1: tp1}
 
 
+@pytest.mark.parametrize(("prod_tp", "cons_tp"), [(2, 1), (1, 2)], ids=["tp2-to-tp1", "tp1-to-tp2"])
 def test_heterogeneous_tp_matches_colocated(
-    tiny_model_dir: Path, pair: tuple[Any, Any, int]
+    tiny_model_dir: Path, both: dict[int, Any], prod_tp: int, cons_tp: int
 ) -> None:
-    prod, cons, prod_tp = pair
-    prompts = make_prompts(tiny_model_dir, 3, seed=7)
+    prod, cons = both[prod_tp], both[cons_tp]
+    prompts = make_prompts(tiny_model_dir, 3, seed=7 + prod_tp)
     r = prod.generate(prompts, max_tokens=12)  # the reference: no transfer parameters
     assert "error" not in r, r
     want = [o["token_ids"] for o in r["outputs"]]
@@ -66,3 +70,4 @@ def test_heterogeneous_tp_matches_colocated(
     loads = [o["kv_transfer_params"]["omni_kv_load"] for o in got["outputs"]]
     assert all(x["ok"] for x in loads), loads
     assert all(x["bytes"] > 0 for x in loads), loads
+    assert all(x["tokens"] == len(p) for x, p in zip(loads, prompts, strict=True)), loads
