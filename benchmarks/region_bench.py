@@ -36,9 +36,15 @@ from typing import Any
 import torch
 
 from vllm_omni_kv.backends.factory import OmniConnectorFactory
+from vllm_omni_kv.backends.pull.page_pull import BATCH_READS
 from vllm_omni_kv.backends.spec import ConnectorSpec
 from vllm_omni_kv.kvcache.cache_layout import infer_identity
-from vllm_omni_kv.kvcache.shared_pages import describe_request, layer_geometry, shared_fields
+from vllm_omni_kv.kvcache.shared_pages import (
+    describe_request,
+    layer_geometry,
+    page_runs,
+    shared_fields,
+)
 from vllm_omni_kv.wire import codec
 
 LAYERS, HEADS, BS, DIM = 8, 8, 16, 128
@@ -100,6 +106,9 @@ def _consumer(name: str, ns: str, nblocks: int, device: str, peer: Any, conn: An
         cmd = conn.recv()
         if cmd[0] == "exit":
             break
+        if cmd[0] == "ranges" and peer is not None:  # raw engine reads of the same pages
+            conn.send(_raw_page_reads(backend.cache_region.conn.engine, peer, mine, cmd))
+            continue
         if cmd[0] == "baseline" and peer is not None:  # one raw engine read, same bytes
             engine = backend.cache_region.conn.engine
             dst_addr, n = mine[0].data_ptr(), cmd[1]
@@ -146,6 +155,25 @@ def _consumer(name: str, ns: str, nblocks: int, device: str, peer: Any, conn: An
                 _sync(device)
         conn.send((time.perf_counter() - t0, moved))
     backend.close()
+
+
+def _raw_page_reads(engine: Any, peer: Any, mine: list[torch.Tensor], cmd: Any) -> float:
+    """Median seconds of the engine's own batched reads of exactly the move's page ranges
+    (per layer, runs consecutive on both sides, batches of ``BATCH_READS``): what the
+    transport charges for the scatter, without the connector."""
+    _, remote_layers, pairs, repeats = cmd
+    reads = [
+        (dst.data_ptr() + d0 * PAGE, remote + s0 * PAGE, n * PAGE)
+        for dst, remote in zip(mine, remote_layers, strict=True)
+        for _i0, s0, d0, n in page_runs(pairs)
+    ]
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        for i in range(0, len(reads), BATCH_READS):
+            engine.read_many(peer["session"], reads[i : i + BATCH_READS])
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
 
 
 def _answer(conn: Any, proc: Any, timeout: float = 300.0) -> Any:
@@ -198,6 +226,11 @@ def measure(name: str, device: str, mib: int, repeats: int) -> dict[str, Any]:
                 moves.append(seconds)
         parent.send(("baseline", moved, repeats))
         base_s = _answer(parent, proc)
+        ranges_s = None
+        if peer is not None:
+            pairs = list(zip(src_ids, dst_ids, strict=True))
+            parent.send(("ranges", [c.data_ptr() for c in caches], pairs, repeats))
+            ranges_s = _answer(parent, proc)
         parent.send(("exit",))
         proc.join(60)
     finally:
@@ -216,6 +249,9 @@ def measure(name: str, device: str, mib: int, repeats: int) -> dict[str, Any]:
         "baseline_ms": round(base_s * 1e3, 3),
         "baseline_gbps": round(moved / base_s / 1e9, 2),
         "vs_baseline": round(base_s / move_s, 3),
+        # pull backends: the engine's own reads of the same page ranges, no connector
+        "same_ranges_ms": None if ranges_s is None else round(ranges_s * 1e3, 3),
+        "vs_same_ranges": None if ranges_s is None else round(ranges_s / move_s, 3),
         "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None,
         "loadavg_1m": round(os.getloadavg()[0], 2),
         "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -244,6 +280,12 @@ def main(argv: list[str] | None = None) -> None:
             f"{r['mib']:>4} MiB  move {r['move_ms']:8.3f} ms ({r['move_gbps']:6.2f} GB/s)  "
             f"{r['baseline']} {r['baseline_ms']:8.3f} ms ({r['baseline_gbps']:6.2f} GB/s)  "
             f"{100 * r['vs_baseline']:.0f}%"
+            + (
+                f"  | same page ranges, raw {r['same_ranges_ms']:8.3f} ms: "
+                f"{100 * r['vs_same_ranges']:.0f}%"
+                if r.get("same_ranges_ms") is not None
+                else ""
+            )
         )
     machine = {
         "platform": platform.platform(),
