@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata as md
 import json
+import os
 import re
 import subprocess
 import sys
@@ -204,6 +205,9 @@ def test_real_vllm_engine_generates_deterministically(tiny_model_dir, tmp_path):
         capture_output=True,
         text=True,
         timeout=300,
+        # engine core and worker in this one process (vLLM's InprocClient): one interpreter
+        # start instead of two; vLLM's process layout runs in every `vllm serve` test
+        env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"},
     )
     assert out.returncode == 0, out.stderr[-4000:]
     line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")][-1]

@@ -9,6 +9,7 @@ AR -> diffusion handoff correct: the diffusion stage needs real [seq, heads, dim
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +23,14 @@ from vllm_omni_kv import OmniKVTransferManager
 from vllm_omni_kv.tiny_model import TinyModelSpec
 
 AR_STAGE = REPO / "examples" / "ar_to_diffusion" / "ar_stage.py"
+#: the AR stage's engine core and worker in its one process (vLLM's InprocClient): one
+#: interpreter start instead of two; the example's own layout runs in test_demos
+IN_PROCESS_ENV = {
+    **os.environ,
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "OMP_NUM_THREADS": "1",
+    "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+}
 PROMPT = "the prefill stage hands its cache to the decode engine over shared memory buffer"
 
 
@@ -74,6 +83,7 @@ def test_received_kv_matches_transformers(dtype, request):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        env=IN_PROCESS_ENV,
     )
     try:
         line = next((x for x in ar.stdout if x.startswith("READY ")), None)  # type: ignore[union-attr]
