@@ -5,7 +5,8 @@ window) and off (every layer keeps every token), and vLLM's own ``NixlConnector`
 UCX, CPU buffers) where it runs.
 
 Model (defaults): random weights written with ``transformers``, 6 layers (5 sliding with a
-128-token window, 1 global), 4 KV heads of 128, bfloat16; 8 prompts of ~2,000 tokens.
+128-token window, 1 global), 4 KV heads of 128, bfloat16 where the CPU has it natively
+(else float32); 8 prompts of ~2,000 tokens.
 Producer and consumer are in-process engines (``vllm_omni_kv.testing.engine_proc``), prefix
 caching off; the consumer loads a batch with ``max_tokens=1`` (TTFT: wall clock of that
 ``generate``, median of ``--repeats`` after a warm-up round). Bytes are the sum of the
@@ -37,7 +38,9 @@ BLOCK = 32  # vLLM's CPU block size here
 CONFIGS = ("omnikv_hma_on", "omnikv_hma_off", "nixl_connector")
 
 
-def write_model(out: Path, layers: int, window: int, kv_heads: int, head_dim: int) -> Path:
+def write_model(
+    out: Path, layers: int, window: int, kv_heads: int, head_dim: int, dtype: str
+) -> Path:
     """A random Gemma 3 text model (``layers - 1`` sliding layers then one global) with the
     package's tiny tokenizer; written once into a temporary directory renamed into place."""
     if (out / ".done").exists():
@@ -66,7 +69,7 @@ def write_model(out: Path, layers: int, window: int, kv_heads: int, head_dim: in
         tie_word_embeddings=True,
     )
     torch.manual_seed(0)
-    model = Gemma3ForCausalLM(cfg).to(torch.bfloat16)  # type: ignore[arg-type]
+    model = Gemma3ForCausalLM(cfg).to(getattr(torch, dtype))  # type: ignore[arg-type]
     model.config.architectures = ["Gemma3ForCausalLM"]
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
@@ -193,23 +196,28 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtype", default="auto", help="auto: bfloat16 where the CPU has it natively")
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     a = ap.parse_args(argv)
     a.logs = Path(tempfile.mkdtemp(prefix="hybrid_bench_logs_"))
     from transformers import AutoTokenizer
 
-    from vllm_omni_kv.tiny_model import prompt_text
+    from vllm_omni_kv.tiny_model import fast_cpu_dtype, prompt_text
 
-    tag = f"gemma3-bench-{a.layers}l-w{a.window}-{a.kv_heads}x{a.head_dim}-v1"
+    a.dtype_reason = "--dtype"
+    if a.dtype == "auto":
+        a.dtype, a.dtype_reason = fast_cpu_dtype()
+    tag = f"gemma3-bench-{a.layers}l-w{a.window}-{a.kv_heads}x{a.head_dim}-{a.dtype}-v1"
     model = write_model(REPO / ".cache" / "tiny-models" / tag, a.layers, a.window,
-                        a.kv_heads, a.head_dim)  # fmt: skip
+                        a.kv_heads, a.head_dim, a.dtype)  # fmt: skip
     tok = AutoTokenizer.from_pretrained(str(model))
     prompts = [list(tok(prompt_text(700 + i, a.prompt_tokens))["input_ids"][: a.prompt_tokens])
                for i in range(a.prompts)]  # fmt: skip
     lengths = [len(p) for p in prompts]
-    page = BLOCK * 2 * a.kv_heads * a.head_dim * 2  # one block of one layer, K and V, bf16
-    base = {"model": str(model), "dtype": "bfloat16", "in_process": True,
+    itemsize = 2 if a.dtype in ("bfloat16", "float16") else 4
+    page = BLOCK * 2 * a.kv_heads * a.head_dim * itemsize  # one block of one layer, K and V
+    base = {"model": str(model), "dtype": a.dtype, "in_process": True,
             "max_model_len": a.prompt_tokens + 64, "max_num_seqs": a.prompts,
             "max_num_batched_tokens": max(8192, sum(lengths)), "enable_prefix_caching": False}  # fmt: skip
     kv_gib = max(1, -(-4 * sum(lengths) * page // BLOCK * a.layers // (1 << 30)))
@@ -229,7 +237,7 @@ def main(argv: list[str] | None = None) -> None:
         summary = {"bytes_on_vs_off": round(on["bytes_moved"] / off["bytes_moved"], 3),
                    "ttft_on_vs_off": round(on["ttft_s"] / off["ttft_s"], 3)}  # fmt: skip
     out = {"workload": {k: getattr(a, k) for k in ("prompts", "prompt_tokens", "layers", "window",
-                                                  "kv_heads", "head_dim", "repeats")},
+                                                  "kv_heads", "head_dim", "repeats", "dtype", "dtype_reason")},
            "prompt_lengths": lengths, "page_bytes": page, "results": rows, "summary": summary,
            "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "load_average": os.getloadavg(), "logs": str(a.logs)}  # fmt: skip

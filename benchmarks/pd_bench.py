@@ -460,7 +460,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument(
+        "--dtype", default="auto", help="model dtype; auto: bfloat16 where the CPU has it natively"
+    )
     ap.add_argument("--repeats", type=int, default=3, help="measured runs (median reported)")
     ap.add_argument("--backends", default="shm,mooncake", help="OmniKV backends to run")
     ap.add_argument(
@@ -472,7 +474,12 @@ def main(argv: list[str] | None = None) -> None:
 
     from transformers import AutoTokenizer
 
-    from vllm_omni_kv.tiny_model import TinyModelSpec, prompt_text, write_tiny_model
+    from vllm_omni_kv.tiny_model import TinyModelSpec, fast_cpu_dtype, prompt_text, write_tiny_model
+
+    dtype_reason = "--dtype"
+    if a.dtype == "auto":
+        a.dtype, dtype_reason = fast_cpu_dtype()
+    print(f"dtype {a.dtype} ({dtype_reason})")
 
     spec = TinyModelSpec(
         num_layers=a.layers,
@@ -589,6 +596,7 @@ def main(argv: list[str] | None = None) -> None:
                 for k in ("num_layers", "hidden_size", "num_kv_heads", "head_dim", "dtype")
             },
             "kv_bytes_per_token": kv_per_token,
+            "dtype_reason": dtype_reason,
             "prefix_caching": False,
             "host_cpus": os.cpu_count(),
         },

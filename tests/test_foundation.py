@@ -214,3 +214,21 @@ def test_real_vllm_engine_generates_deterministically(tiny_model_dir, tmp_path):
     res = json.loads(line[len("RESULT ") :])
     assert res["a"] == res["b"]
     assert all(len(t) == 12 for t in res["a"]) and res["a"][0] != res["a"][1]
+
+
+@pytest.mark.parametrize(
+    ("flags", "want"),
+    [
+        ("fpu avx2 avx512f avx512_bf16", "bfloat16"),
+        ("fpu avx2 amx_bf16 amx_tile", "bfloat16"),
+        ("fpu avx2 avx512f", "float32"),
+    ],
+)
+def test_fast_cpu_dtype_follows_native_bf16_flags(tmp_path, flags, want):
+    from vllm_omni_kv.tiny_model import fast_cpu_dtype
+
+    info = tmp_path / "cpuinfo"
+    info.write_text(f"processor\t: 0\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: {flags}\n")
+    dtype, why = fast_cpu_dtype(str(info))
+    assert dtype == want and why
+    assert fast_cpu_dtype(str(tmp_path / "missing"))[0] == "float32"

@@ -188,6 +188,24 @@ def _write_files(out: Path, spec: TinyModelSpec) -> None:
     )
 
 
+#: CPU flags with native bfloat16 matrix multiplies (without them torch emulates bf16 matmuls,
+#: about 7x slower than float32 on an AVX2-only machine)
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def fast_cpu_dtype(cpuinfo: str = "/proc/cpuinfo") -> tuple[str, str]:
+    """The faster dtype for a tiny model on this CPU and why: ``bfloat16`` where the CPU
+    multiplies it natively, else ``float32``."""
+    try:
+        flags = set(Path(cpuinfo).read_text().split())
+    except OSError:
+        return "float32", f"{cpuinfo} unreadable"
+    native = [f for f in BF16_FLAGS if f in flags]
+    if native:
+        return "bfloat16", f"CPU has {', '.join(native)}"
+    return "float32", f"CPU lacks {' and '.join(BF16_FLAGS)} (bfloat16 matmuls are emulated)"
+
+
 def prompt_text(seed: int, n_words: int) -> str:
     """A deterministic prompt of ``n_words`` words from the tokenizer's corpus vocabulary."""
     rng = random.Random(seed)
