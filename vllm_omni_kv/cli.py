@@ -158,9 +158,7 @@ def _print_doctor(report: dict[str, Any]) -> None:
         print(line)
 
 
-def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # Mooncake's native logs drown the report
-    os.environ.setdefault("GLOG_minloglevel", "2")
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="vllm-omni-kv", description="KV-cache transfer plugin for vLLM"
     )
@@ -180,7 +178,13 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--kv-heads", type=int, default=2)
     t.add_argument("--head-dim", type=int, default=64)
     t.add_argument("--dtype", default="float32")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # Mooncake's native logs drown the report
+    os.environ.setdefault("GLOG_minloglevel", "2")
+    a = _parser().parse_args(argv)
     if a.cmd == "version":
         print(__version__)
         return 0
