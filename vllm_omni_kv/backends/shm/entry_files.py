@@ -23,7 +23,7 @@ def read_owned_file(file: str, max_bytes: int) -> bytes:
 
 
 def read_owned_fd(fd: int, file: str, max_bytes: int) -> bytes:
-    """The bytes of ``file`` open as ``fd`` (see :func:`read_owned_file`); ``fd`` stays open."""
+    """The bytes of ``file`` open as ``fd`` at offset 0 (see :func:`read_owned_file`); ``fd`` stays open."""
     try:
         st = os.fstat(fd)
         name = os.path.basename(file)
@@ -39,7 +39,7 @@ def read_owned_fd(fd: int, file: str, max_bytes: int) -> bytes:
             )
         chunks, left = [], st.st_size
         while left > 0:
-            chunk = os.pread(fd, left, st.st_size - left)
+            chunk = os.read(fd, left)
             if not chunk:
                 break
             chunks.append(chunk)
