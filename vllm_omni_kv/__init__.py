@@ -33,6 +33,8 @@ _LAZY: dict[str, str] = {
     "OmniConnectorBase": "vllm_omni_kv.backends.base",
     "OmniConnectorFactory": "vllm_omni_kv.backends.factory",
     "SharedMemoryConnector": "vllm_omni_kv.backends.shm.connector",
+    "ShmInventory": "vllm_omni_kv.backends.shm.inventory",
+    "shm_inventory": "vllm_omni_kv.backends.shm.inventory",
     "MooncakeTransferEngineConnector": "vllm_omni_kv.backends.pull.mooncake",
     "MooncakeStoreConnector": "vllm_omni_kv.backends.mooncake_store.connector",
     "MooncakeConnector": "vllm_omni_kv.backends.mooncake_store.connector",
@@ -64,6 +66,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from vllm_omni_kv.backends.base import OmniConnectorBase
     from vllm_omni_kv.backends.factory import OmniConnectorFactory
     from vllm_omni_kv.backends.shm.connector import SharedMemoryConnector
+    from vllm_omni_kv.backends.shm.inventory import ShmInventory, shm_inventory
     from vllm_omni_kv.backends.spec import (
         ConnectorSpec,
         OmniTransferConfig,

@@ -1,8 +1,9 @@
-"""``vllm-omni-kv`` command line: version, doctor, sweep, tiny-model."""
+"""``vllm-omni-kv`` command line: version, doctor, sweep, inventory, tiny-model."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import importlib.metadata as md
 import json
@@ -157,9 +158,7 @@ def _print_doctor(report: dict[str, Any]) -> None:
         print(line)
 
 
-def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # Mooncake's native logs drown the report
-    os.environ.setdefault("GLOG_minloglevel", "2")
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="vllm-omni-kv", description="KV-cache transfer plugin for vLLM"
     )
@@ -170,13 +169,22 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--json", action="store_true", help="machine-readable output")
     s = sub.add_parser("sweep", help="remove shared-memory files left by killed processes")
     s.add_argument("--json", action="store_true")
+    i = sub.add_parser("inventory", help="what one shared-memory namespace holds")
+    i.add_argument("--namespace", default="default", help="the backend's namespace setting")
+    i.add_argument("--json", action="store_true", help="machine-readable output")
     t = sub.add_parser("tiny-model", help="write a deterministic tiny random-weight Llama model")
     t.add_argument("path")
     t.add_argument("--layers", type=int, default=2)
     t.add_argument("--kv-heads", type=int, default=2)
     t.add_argument("--head-dim", type=int, default=64)
     t.add_argument("--dtype", default="float32")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # Mooncake's native logs drown the report
+    os.environ.setdefault("GLOG_minloglevel", "2")
+    a = _parser().parse_args(argv)
     if a.cmd == "version":
         print(__version__)
         return 0
@@ -201,6 +209,12 @@ def main(argv: list[str] | None = None) -> int:
             if a.json
             else f"removed {len(removed)} orphaned shared-memory file(s)"
         )
+        return 0
+    if a.cmd == "inventory":
+        from vllm_omni_kv.backends.shm.inventory import inventory
+
+        inv = inventory(a.namespace)
+        print(json.dumps(dataclasses.asdict(inv), indent=2) if a.json else inv.table())
         return 0
     if a.cmd == "tiny-model":
         from vllm_omni_kv.tiny_model import TinyModelSpec, write_tiny_model

@@ -5,8 +5,8 @@ requests of which 12 hang up mid-stream.
 Asserted: every request that is not aborted streams the tokens a colocated engine gives
 for its prompt (the producer answers requests without transfer parameters as an ordinary
 engine), the servers stay healthy, nothing is left behind once ``send_ttl`` has passed (no
-payload held by the producer, no KV blocks in use, no shared-memory file beyond the
-producer's arena), and a follow-up run completes with the same tokens.
+payload held by the producer, no KV blocks in use, and by the namespace's shared-memory
+inventory no payload, hold, orphan or payload segment in use), and a follow-up run completes with the same tokens.
 """
 
 from __future__ import annotations
@@ -22,8 +22,10 @@ from typing import Any
 import aiohttp
 import pytest
 import requests
-from pd_helpers import LOG_DIR, SERVE_NAMESPACE, live_arena_segment, make_prompts, omnikv_files
+from pd_helpers import LOG_DIR, SERVE_NAMESPACE, make_prompts
 from serve_helpers import EXAMPLE_SEND_TTL, Servers
+
+from vllm_omni_kv.backends.shm.inventory import inventory
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -144,9 +146,14 @@ def _idle(base: str, deadline_s: float) -> None:
     pytest.fail(f"{base} still has requests after {deadline_s:.0f}s")
 
 
-def _left_behind() -> set[str]:
-    """This run's shared-memory files other than the producer's live arena segment."""
-    return {n for n in omnikv_files(SERVE_NAMESPACE) if not live_arena_segment(n)}
+def _left_behind() -> int:
+    """This run's shared-memory files other than the producer's live arena (its cache and
+    FREE payload segments): payloads, holds, entries in flight, orphans, foreign files and
+    payload segments in use."""
+    inv = inventory(SERVE_NAMESPACE)
+    return (
+        inv.payloads + inv.holds + inv.transient + inv.orphans + inv.foreign + inv.segments_in_use
+    )
 
 
 def _settled(stack: Servers, deadline_s: float) -> dict[str, float]:
@@ -163,7 +170,7 @@ def _settled(stack: Servers, deadline_s: float) -> dict[str, float]:
             for m in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
         }
         state["producer:omnikv_payloads_held"] = _metric(stack.prefill, "vllm:omnikv_payloads_held")
-        state["shm_files_left"] = float(len(_left_behind()))
+        state["shm_files_left"] = float(_left_behind())
         if not any(state.values()):
             return state
         time.sleep(0.5)
@@ -209,6 +216,6 @@ def test_concurrent_streams_with_aborts_then_no_leak_and_a_clean_rerun(
     assert [o.text for o in got2] == ref2
     assert all(o.finish_reason == "length" for o in got2)
     state = _settled(stack, deadline_s=30)
-    assert not any(state.values()), (state, sorted(_left_behind()))
+    assert not any(state.values()), (state, inventory(SERVE_NAMESPACE))
     _healthy(stack)
     (LOG_DIR / "load-test-state.json").write_text(json.dumps(state, indent=2))

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 from pd_helpers import (
+    NAMESPACE,
     SMALL_CACHE_BLOCKS,
     EngineProc,
     assert_cache_free,
@@ -29,11 +30,11 @@ from pd_helpers import (
     kill_group,
     make_prompts,
     omni_ktc,
-    omnikv_files,
     sweep_dead_segments,
     whole_cache_prompt,
 )
 
+from vllm_omni_kv.backends.shm.inventory import ShmInventory, inventory
 from vllm_omni_kv.testing.net import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -75,16 +76,9 @@ class PD:
         return [o["kv_transfer_params"]["omni_kv_load"] for o in r["outputs"]]
 
 
-def _files(kind: str) -> set[str]:
-    """This run's hold files (``hold``), cache segments (``kv``) or payload segments."""
-    from vllm_omni_kv.backends.shm import arena
-
-    names = omnikv_files()
-    if kind == "hold":
-        return {n for n in names if n.startswith(arena.HOLD_PREFIX)}
-    segs = {n for n in names if n.startswith(arena.SEG_PREFIX)}
-    cache = {n for n in segs if n.rsplit("_", 1)[1].startswith("kv")}
-    return cache if kind == "kv" else segs - cache
+def _shm() -> ShmInventory:
+    """What this run's shared-memory namespace holds (holds, caches, payload segments)."""
+    return inventory(NAMESPACE)
 
 
 @pytest.fixture(scope="module")
@@ -128,16 +122,17 @@ def test_pages_are_copied_once_from_the_producers_cache(
     prompts = groups["equal"]
     params = pd.prefill(prompts)
     if pd.mode == "shm":  # block ids, not bytes: no payload segment, a hold per request,
-        assert len(_files("hold")) == len(prompts)
-        assert not _files("payload"), _files("payload")
-        assert len(_files("kv")) == 1  # the producer's cache; a consumer exports none
+        inv = _shm()
+        assert inv.holds == len(prompts), inv
+        assert inv.segments == 0, inv
+        assert inv.caches == 1, inv  # the producer's cache; a consumer exports none
     loads = pd.decode(prompts, params)
     for load, ids in zip(loads, prompts):
         assert load["ok"] is True and load["tokens"] == len(ids), load
         # the request's pages, plus a descriptor frame of about a kilobyte (no packed KV)
         pages = -(-len(ids) // 32) * BLOCK_BYTES
         assert pages < load["bytes"] < pages + 4096, load
-    assert not _files("hold")  # released by the consumer after its copy
+    assert _shm().holds == 0  # released by the consumer after its copy
     assert_cache_free(pd.prod, tiny_model_dir, timeout=SEND_TTL / 2)  # blocks given back
 
 
@@ -151,9 +146,9 @@ def test_local_prefix_hit_copies_only_the_last_block(
         assert load["tokens"] == len(ids) - (len(ids) - 1) // 32 * 32, load
         assert BLOCK_BYTES <= load["bytes"] < BLOCK_BYTES + 4096, load
     deadline = time.monotonic() + 5
-    while _files("hold") and time.monotonic() < deadline:
+    while _shm().holds and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _files("hold")
+    assert _shm().holds == 0
     assert_cache_free(pd.prod, tiny_model_dir, timeout=SEND_TTL / 2)
 
 
@@ -169,7 +164,7 @@ def test_blocks_stay_held_until_the_lease_runs_out_then_the_consumer_recomputes(
     assert "error" not in r, r
     waited = time.monotonic() - t0
     assert waited >= SEND_TTL - 1, f"the held blocks were reused after {waited:.1f}s"
-    assert not _files("hold")
+    assert _shm().holds == 0
     # a consumer that comes late finds nothing and recomputes the same tokens
     loads = pd.decode(prompts, params)
     assert loads[0]["ok"] is False, loads
@@ -179,21 +174,19 @@ def test_killed_producer_recomputes_and_leaves_nothing(
     pd: PD, groups: dict[str, list[list[int]]]
 ) -> None:
     # Runs last: the producer is gone afterwards, its cache file and holds are swept.
-    from vllm_omni_kv.backends.shm import arena
-
     prompts = groups["killed"]
     params = pd.prefill(prompts)
-    owners = {arena._owner_pid(n) for n in _files("kv")}
     kill_group(pd.prod.proc.pid)
     pd.prod.proc.wait(timeout=30)
     deadline = time.monotonic() + 30  # its worker process may outlive the main one briefly
-    while any(arena.pid_alive(p) for p in owners if p) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    while (inv := _shm()).orphans < inv.files and time.monotonic() < deadline:
+        time.sleep(0.1)  # until every file of the namespace (the producer's) is an orphan
     sweep_dead_segments()
     t0 = time.monotonic()
     loads = pd.decode(prompts, params)
     assert time.monotonic() - t0 < pd.recv_timeout + 15
     assert all(x["ok"] is False and x["error"] for x in loads), loads
-    assert not _files("hold")
+    inv = _shm()
+    assert inv.holds == 0, inv
     if pd.mode == "shm":
-        assert not _files("kv")  # the producer's cache is swept; the consumer exports none
+        assert inv.caches == 0, inv  # the producer's cache is swept; the consumer exports none

@@ -36,10 +36,11 @@ from pd_helpers import (
     long_prompt,
     make_prompts,
     omni_ktc,
-    omnikv_files,
     sweep_dead_segments,
     whole_cache_prompt,
 )
+
+from vllm_omni_kv.backends.shm.inventory import ShmInventory, inventory
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -242,27 +243,15 @@ def _until(cond: Callable[[], bool], timeout: float = WAIT) -> bool:
     return cond()
 
 
-def _index_entries() -> set[str]:
-    from vllm_omni_kv.backends.shm import arena as shm_arena
-
-    return {n for n in omnikv_files() if n.startswith(shm_arena.IDX_PREFIX)}
-
-
-def _segment_states() -> dict[str, int]:
-    from vllm_omni_kv.backends.shm import arena as shm_arena
-
-    out = {}
-    for n in omnikv_files():
-        if n.startswith(shm_arena.SEG_PREFIX):
-            words = shm_arena.read_header(n)
-            out[n] = -1 if words is None else words[0]
-    return out
+def _shm() -> ShmInventory:
+    """What this run's shared-memory namespace holds (payloads, segments by state)."""
+    return inventory(NAMESPACE)
 
 
 def _all_free() -> bool:
-    from vllm_omni_kv.backends.shm import arena as shm_arena
-
-    return not _index_entries() and all(s == shm_arena.FREE for s in _segment_states().values())
+    """No payload published or being claimed, every payload segment FREE."""
+    inv = _shm()
+    return inv.payloads == inv.transient == inv.segments_in_use == 0
 
 
 def test_idle_producer_frees_an_unconsumed_payload_and_the_consumer_recomputes(
@@ -270,9 +259,9 @@ def test_idle_producer_frees_an_unconsumed_payload_and_the_consumer_recomputes(
 ) -> None:
     prompts = groups["idle"]
     params = pd.prefill(prompts)
-    assert _index_entries()  # published
+    assert _shm().payloads >= 1  # published
     # no further request reaches the producer: only its lease timer can withdraw it
-    assert _until(_all_free), f"left: {_index_entries()} {_segment_states()}"
+    assert _until(_all_free), f"left: {_shm()}"
     (load,) = pd.loads(prompts, list(params))
     assert load is not None and load["ok"] is False and "no KV payload" in load["error"], load
 
@@ -286,11 +275,18 @@ def test_a_request_waiting_for_blocks_extends_its_payload_beyond_send_ttl(
     # (at least recv_timeout plus 480 decode steps, whatever the machine's speed), and
     # its scheduler extends the payload's lease meanwhile.
     from vllm_omni_kv.backends.shm import arena as shm_arena
+    from vllm_omni_kv.backends.shm.connector import index_name
+    from vllm_omni_kv.kvcache.kv_utils import KVTPTopology, build_rank_aware_recv_keys
 
     queued = groups["queued"]
     params = pd.prefill(queued)
     sent = time.monotonic()
-    (idx,) = _index_entries()
+    p = params[0]
+    ((key, _rank),) = build_rank_aware_recv_keys(
+        p["remote_transfer_id"], p["omni_from_stage"], p["omni_to_stage"], KVTPTopology(1, 1, 0)
+    )
+    idx = index_name(NAMESPACE, p["omni_from_stage"], p["omni_to_stage"], key)
+    assert _shm().payloads == 1 and os.path.exists(shm_arena.path(idx)), _shm()
     seen: dict[str, float] = {}
 
     def watch() -> None:
@@ -343,7 +339,6 @@ def _claim_and_hang(namespace: str, jobs: Any, q: Any) -> None:
 def test_consumer_killed_after_claiming_leaves_nothing_and_later_requests_are_exact(
     pd: PD, groups: dict[str, list[list[int]]], tiny_model_dir: Path
 ) -> None:
-    from vllm_omni_kv.backends.shm import arena as shm_arena
     from vllm_omni_kv.kvcache.kv_utils import KVTPTopology, build_rank_aware_recv_keys
 
     prompts = groups["reader_killed"]
@@ -358,12 +353,13 @@ def test_consumer_killed_after_claiming_leaves_nothing_and_later_requests_are_ex
         )
         jobs.put((key, p["omni_from_stage"], p["omni_to_stage"]))
         assert q.get(timeout=WAIT) == "claimed"
-        assert not _index_entries()
-        assert shm_arena.PUBLISHED in _segment_states().values()  # held by the reader
+        inv = _shm()
+        assert inv.payloads == inv.transient == 0, inv
+        assert inv.segment_states["published"] >= 1, inv  # held by the reader
         os.kill(reader.pid, signal.SIGKILL)
         reader.join(30)
         # the producer takes the segment back once the dead reader's lease is stale
-        assert _until(_all_free), f"left: {_index_entries()} {_segment_states()}"
+        assert _until(_all_free), f"left: {_shm()}"
     finally:
         if reader.is_alive():
             os.kill(reader.pid, signal.SIGKILL)

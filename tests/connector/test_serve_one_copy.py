@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pd_helpers import LOG_DIR, make_prompts, omnikv_files, sweep_dead_segments
+from pd_helpers import LOG_DIR, NAMESPACE, make_prompts, sweep_dead_segments
 from serve_helpers import GREEDY, complete, ktc, serve_pd
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -71,7 +71,7 @@ def urls(request: pytest.FixtureRequest, tiny_model_dir: Path) -> Iterator[tuple
 def test_serve_one_copy_completions_match_colocated(
     urls: tuple[str, str, str], tiny_model_dir: Path
 ) -> None:
-    from vllm_omni_kv.backends.shm import arena
+    from vllm_omni_kv.backends.shm.inventory import inventory
 
     prefill, proxy, name = urls
     model = str(tiny_model_dir)
@@ -84,10 +84,8 @@ def test_serve_one_copy_completions_match_colocated(
         pages = -(-len(ids) // 32) * BLOCK_BYTES  # the request's pages and a small descriptor
         assert load["ok"] is True and pages < load["bytes"] < pages + 4096, load
     deadline = time.monotonic() + 10
-    holds = {n for n in omnikv_files() if n.startswith(arena.HOLD_PREFIX)}
-    while holds and time.monotonic() < deadline:
+    while inventory(NAMESPACE).holds and time.monotonic() < deadline:
         time.sleep(0.2)
-        holds = {n for n in omnikv_files() if n.startswith(arena.HOLD_PREFIX)}
-    assert not holds, holds
+    assert inventory(NAMESPACE).holds == 0, inventory(NAMESPACE)
     # the producer's cache was in its backend's region: no fallback to packed payloads
     assert "packed payloads instead" not in (LOG_DIR / f"{name}-p.log").read_text()

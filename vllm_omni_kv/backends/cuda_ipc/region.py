@@ -128,7 +128,8 @@ class CudaIpcRegion(HoldFiles, CacheRegion):
         """The heartbeat segment standing for this producer (created once; consumers
         judge the producer alive by it)."""
         if self._owner_seg is None:
-            name = f"{arena.SEG_PREFIX}{os.getpid()}_{self.tag}_ipc{uuid.uuid4().hex[:14]}"
+            kind = arena.CACHE_IDS[1]  # "ipc": an exported cache, not a payload segment
+            name = f"{arena.SEG_PREFIX}{os.getpid()}_{self.tag}_{kind}{uuid.uuid4().hex[:14]}"
             head = np.zeros(arena.SLOT_WORDS, dtype="<u8")
             head[[W_OWNER, W_BEAT, W_PIDNS]] = (self.producer.instance, now_ms(), pid_namespace())
             fd = arena._create_file(name, arena.DATA_OFFSET, head.tobytes())

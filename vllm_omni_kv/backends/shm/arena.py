@@ -54,7 +54,6 @@ import hashlib
 import mmap
 import os
 import stat
-import struct
 import threading
 import time
 import uuid
@@ -65,7 +64,7 @@ import numpy as np
 
 from vllm_omni_kv.backends.host_pin import HostPin, cuda_in_use
 from vllm_omni_kv.backends.host_pin import register as register_host
-from vllm_omni_kv.backends.shm.entry_files import read_owned_file
+from vllm_omni_kv.backends.shm.entry_files import inline_frame, inline_owner, read_owned_file
 from vllm_omni_kv.backends.shm.liveness import (
     HEARTBEAT_S,
     STALE_S,
@@ -92,6 +91,7 @@ __all__ = [
     "owner_alive",
     "pid_alive",
     "sweep_orphans",
+    "sweepable",
 ]
 
 #: where the shared-memory files live: a tmpfs every stage on the host sees (a directory on
@@ -110,12 +110,20 @@ POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 def read_header(name: str) -> list[int] | None:
-    """The slot header of segment ``name`` without mapping it; None when shorter."""
-    fd = os.open(path(name), os.O_RDONLY | os.O_NOFOLLOW)
+    """The slot header of segment ``name`` without mapping it (opened without following a
+    link or blocking on a FIFO); None when shorter, or not a regular file."""
+    fd = os.open(path(name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
-        raw = os.pread(fd, DATA_OFFSET, 0)
+        return header_of(fd)
     finally:
         os.close(fd)
+
+
+def header_of(fd: int) -> list[int] | None:
+    """The slot header of the segment open as ``fd``; None when shorter, or not a regular file."""
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        return None
+    raw = os.pread(fd, DATA_OFFSET, 0)
     if len(raw) < DATA_OFFSET:
         return None
     return [int(x) for x in np.frombuffer(raw, dtype="<u8", count=SLOT_WORDS)]
@@ -147,6 +155,28 @@ def namespace_files(namespace: str) -> set[str]:
         elif n.startswith(SEG_PREFIX) and n[len(SEG_PREFIX) :].split("_")[1:2] == [tag]:
             out.add(n)
     return out
+
+
+#: the id of an exported cache's segment starts with one of these: a host KV cache (``kv``,
+#: :mod:`~vllm_omni_kv.backends.shm.cache_region`), a CUDA IPC cache's heartbeat (``ipc``)
+CACHE_IDS = ("kv", "ipc")
+
+
+def file_kind(name: str) -> str:
+    """What arena file ``name`` is: ``segment`` (a payload segment), ``cache`` (the segment
+    of an exported cache), ``index`` (a published index entry), ``transient`` (an index
+    entry being written or claimed), ``hold``; ``""`` for no arena file."""
+    if name.startswith(IDX_PREFIX):
+        return "transient" if ".claim" in name or ".tmp" in name else "index"
+    if name.startswith(SEG_PREFIX):
+        return "cache" if name.rsplit("_", 1)[-1].startswith(CACHE_IDS) else "segment"
+    return "hold" if name.startswith(HOLD_PREFIX) else ""
+
+
+def entry_frame_bytes(entry: bytes) -> int:
+    """The frame bytes the index entry ``entry`` publishes (inline, or in a segment)."""
+    frame = inline_frame(entry)
+    return len(frame) if frame is not None else int(msgpack.unpackb(entry[1:])["size"])
 
 
 def path(name: str) -> str:
@@ -331,34 +361,6 @@ def _owner_pid(name: str) -> int | None:
     return None
 
 
-#: an inline index entry: ``b"O"`` + the producer's pid and PID-namespace inode (u64 each)
-#: + the frame (``b"I"`` + frame, without an owner, is still read)
-INLINE_OWNED = b"O"
-_INLINE_HEAD = struct.Struct("<QQ")
-
-
-def inline_entry(frame: bytes | bytearray) -> bytes:
-    """The index entry of a small frame carried inline, naming this process as its owner."""
-    return INLINE_OWNED + _INLINE_HEAD.pack(os.getpid(), pid_namespace()) + bytes(frame)
-
-
-def inline_frame(entry: bytes) -> bytes | None:
-    """The frame of an inline index entry; None for a segment reference."""
-    if entry[:1] == b"I":
-        return entry[1:]
-    if entry[:1] == INLINE_OWNED:
-        return entry[1 + _INLINE_HEAD.size :]
-    return None
-
-
-def inline_owner(entry: bytes) -> tuple[int, int] | None:
-    """``(pid, PID-namespace inode)`` of an owned inline entry's producer."""
-    if entry[:1] != INLINE_OWNED or len(entry) < 1 + _INLINE_HEAD.size:
-        return None
-    pid, pidns = _INLINE_HEAD.unpack_from(entry, 1)
-    return int(pid), int(pidns)
-
-
 def _hold_segment(name: str) -> str | None:
     """The cache segment a hold file names; None while it is being written (or not ours)."""
     try:
@@ -409,6 +411,18 @@ def _segment_orphaned(seg: str, pid: int | None, stale_s: float) -> bool:
     return not owner_alive(words, pid, stale_s)
 
 
+def sweepable(name: str, stale_s: float = STALE_S) -> bool:
+    """Whether :func:`sweep_orphans` removes the arena file ``name``: a regular file of this
+    user whose owner is gone. ``FileNotFoundError`` when it is gone; reads, never writes."""
+    st = os.lstat(path(name))
+    if st.st_uid != os.getuid() or not stat.S_ISREG(st.st_mode):
+        return False  # another user's file, or a planted link: not ours to judge
+    try:
+        return _orphaned(name, st, stale_s)
+    except (ValueError, KeyError, TypeError, msgpack.UnpackException):
+        return False  # unreadable: not recognisably ours
+
+
 def sweep_orphans(stale_s: float = STALE_S) -> list[str]:
     """Unlink this user's arena files whose owner is gone; return their names.
 
@@ -422,22 +436,14 @@ def sweep_orphans(stale_s: float = STALE_S) -> list[str]:
         names = os.listdir(SHM_DIR)
     except FileNotFoundError:
         return removed
-    uid = os.getuid()
     for name in names:
         if not name.startswith(PREFIX):
             continue
         try:
-            st = os.lstat(path(name))
-            if st.st_uid != uid or not stat.S_ISREG(st.st_mode):
-                continue  # another user's file, or a planted link: not ours to judge
-            if not _orphaned(name, st, stale_s):
-                continue
-            if unlink_quiet(name):
+            if sweepable(name, stale_s) and unlink_quiet(name):
                 removed.append(name)
         except FileNotFoundError:
             continue
-        except (ValueError, KeyError, TypeError, msgpack.UnpackException):
-            continue  # unreadable: not recognisably ours
         except OSError as e:  # never fail an engine start over a file we cannot remove
             logger.warning("left orphaned shared-memory file %s in place: %s", path(name), e)
     return removed

@@ -229,7 +229,8 @@ class ShmCacheRegion(HoldFiles, CacheRegion):
     def allocate(self, nbytes: int) -> torch.Tensor | None:
         """A zeroed ``int8`` tensor of ``nbytes`` in a new cache segment of this process;
         None, with :attr:`unavailable_reason` set, where the segment cannot be created."""
-        name = f"{arena.SEG_PREFIX}{os.getpid()}_{self.tag}_kv{uuid.uuid4().hex[:14]}"
+        kind = arena.CACHE_IDS[0]  # "kv": how the inventory tells a cache from a payload segment
+        name = f"{arena.SEG_PREFIX}{os.getpid()}_{self.tag}_{kind}{uuid.uuid4().hex[:14]}"
         try:
             mm = self._map_segment(name, nbytes)
         except KVTransferError as e:  # no room: arena._create_file's posix_fallocate

@@ -27,13 +27,13 @@ from vllm_omni_kv.backends.shm.arena import (
     Segment,
     _create_file,
     _no_room,
-    inline_entry,
     namespace_tag,
     path,
     pin_map,
     size_class,
     unlink_quiet,
 )
+from vllm_omni_kv.backends.shm.entry_files import inline_entry
 from vllm_omni_kv.backends.shm.liveness import (
     HEARTBEAT_S,
     STALE_S,

@@ -30,6 +30,7 @@ import numpy as np
 
 from vllm_omni_kv.backends.shm import arena
 from vllm_omni_kv.backends.shm.consumer_maps import ConsumerMaps
+from vllm_omni_kv.backends.shm.entry_files import inline_frame
 from vllm_omni_kv.backends.shm.liveness import (
     HEARTBEAT_S,
     W_READER,
@@ -126,7 +127,7 @@ class Ref:
 def parse_ref(entry: bytes) -> Ref | None:
     """The segment reference of an index entry; None for an inline entry."""
     tag, body = entry[:1], entry[1:]
-    if arena.inline_frame(entry) is not None:
+    if inline_frame(entry) is not None:
         return None
     if tag not in (b"R", b"S"):
         raise KVPayloadError(f"corrupt shared-memory index entry (tag {tag!r})")
@@ -185,7 +186,7 @@ def read_entry(entry: bytes, maps: ConsumerMaps, verify: bool = True) -> tuple[A
     """Decode a claimed, complete index entry; tensors are views of the producer's segment."""
     ref = parse_ref(entry)
     if ref is None:
-        body = arena.inline_frame(entry) or b""
+        body = inline_frame(entry) or b""
         return codec.decode(body, verify=verify), len(body)
     seg = map_segment(ref, maps)
     LEASES.hold(seg, ref.gen)
@@ -363,9 +364,7 @@ def open_entry_stream(entry: bytes, maps: ConsumerMaps, verify: bool) -> Payload
     """A stream over a claimed index entry (inline entries give a ``CompleteStream``)."""
     ref = parse_ref(entry)
     if ref is None:  # the frame is the entry's body: keep it so the stream can be authenticated
-        return CompleteStream(
-            *read_entry(entry, maps, verify=verify), frame=arena.inline_frame(entry)
-        )
+        return CompleteStream(*read_entry(entry, maps, verify=verify), frame=inline_frame(entry))
     seg = map_segment(ref, maps)
     if not ref.stream and seg.state()[0] not in (arena.PUBLISHED, arena.ONESHOT):
         maps.release(seg.mm)  # read_entry maps it again
