@@ -308,6 +308,8 @@ class Zygote:
                 elif "forked" in msg:
                     self._codes.pop(msg["forked"], None)  # a reused pid
                     self._forked[msg["id"]] = msg["forked"]
+                elif "error" in msg:  # a request the zygote refused: no child
+                    self._forked[msg["id"]] = -1
                 elif "exited" in msg:
                     self._codes[msg["exited"]] = msg["code"]
                 self._cv.notify_all()
@@ -350,7 +352,7 @@ class Zygote:
         with self._cv:
             self._cv.wait_for(lambda: rid in self._forked or not self._alive, 60)
             pid = self._forked.pop(rid, None)
-        if pid is None:
+        if pid is None or pid < 0:
             os.close(parent_in)
             os.close(parent_out)
             return None
