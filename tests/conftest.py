@@ -96,6 +96,7 @@ COST_S = {
     "tests/backends/shm/test_liveness.py": 69,
     "tests/backends/nixl/test_serve_nixl.py": 65,
     "tests/connector/test_pd_fail_policy.py": 59,
+    "tests/connector/test_engine_zygote.py": 130,
     "tests/backends/nixl/test_pd_nixl.py": 54,
     "tests/connector/test_pd_mooncake.py": 44,
     "tests/connector/test_leases.py": 35,

@@ -18,6 +18,7 @@ __all__ = [
     "IN_PROCESS",
     "LOG_DIR",
     "NAMESPACE",
+    "PRELOAD",
     "SERVE_NAMESPACE",
     "SMALL_CACHE_BLOCKS",
     "EngineProc",
@@ -46,6 +47,9 @@ SERVE_NAMESPACE = f"{NAMESPACE}-serve"
 #: TP-1 test engines run in one process; ``OMNIKV_TEST_IN_PROCESS=0`` gives them vLLM's
 #: engine-core and worker processes instead
 IN_PROCESS = os.environ.get("OMNIKV_TEST_IN_PROCESS", "1") != "0"
+#: in-process engines fork from a preloaded interpreter per test process (torch and vLLM
+#: imported once: ``engine_zygote``); ``OMNIKV_TEST_PRELOAD=0`` starts each one fresh
+PRELOAD = os.environ.get("OMNIKV_TEST_PRELOAD", "1") != "0"
 
 
 def make_prompts(model_dir: Path, n: int, seed: int = 0) -> list[list[int]]:
@@ -102,7 +106,7 @@ def engines(*cfgs: tuple[str, dict[str, Any]]) -> Iterator[list[EngineProc]]:
             log.unlink(missing_ok=True)
             cfg = dict(cfg)
             env = cfg.pop("env", None)  # per-engine environment (e.g. CPU thread binding)
-            procs.append(EngineProc(cfg, env=env, log=log))
+            procs.append(EngineProc(cfg, env=env, log=log, preloaded=PRELOAD))
         for p in procs:
             p.wait_ready()
         yield procs

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 from pd_helpers import (
+    PRELOAD,
     SMALL_CACHE_BLOCKS,
     EngineProc,
     assert_cache_free,
@@ -78,7 +79,9 @@ def test_engine_with_master_down_fails_at_start_naming_it(tiny_model_dir: Path) 
         "metadata_server": f"http://127.0.0.1:{free_port()}/metadata",
         "connect_timeout_s": 2.0,
     }
-    proc = EngineProc(engine_cfg(tiny_model_dir, store_ktc("kv_consumer", extra)))
+    proc = EngineProc(
+        engine_cfg(tiny_model_dir, store_ktc("kv_consumer", extra)), preloaded=PRELOAD
+    )
     try:
         with pytest.raises(RuntimeError):
             proc.wait_ready(timeout=300)

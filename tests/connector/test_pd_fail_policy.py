@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from pd_helpers import EngineProc, engine_cfg, engines, make_prompts, omni_ktc
+from pd_helpers import PRELOAD, EngineProc, engine_cfg, engines, make_prompts, omni_ktc
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -45,7 +45,7 @@ def test_missing_payload_fails_the_request_clearly(
 
 def test_bad_extra_config_fails_at_engine_start(tiny_model_dir: Path) -> None:
     ktc = omni_ktc("kv_consumer", backend="shm", recv_timeout=-1)
-    proc = EngineProc(engine_cfg(tiny_model_dir, ktc))
+    proc = EngineProc(engine_cfg(tiny_model_dir, ktc), preloaded=PRELOAD)
     try:
         with pytest.raises(RuntimeError):
             proc.wait_ready(timeout=180)

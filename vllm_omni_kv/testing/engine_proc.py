@@ -24,7 +24,10 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm_omni_kv.testing.engine_zygote import ForkedProcess
 
 MARK = "@@OMNIKV@@ "
 
@@ -124,38 +127,66 @@ def _generate(llm: Any, req: dict[str, Any], sampling_params: Any) -> dict[str, 
     }
 
 
+def engine_env(cfg: dict[str, Any], env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of an engine of ``cfg``: this process's, the engine defaults, ``env``."""
+    full_env = dict(os.environ)
+    full_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    full_env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+    if cfg.get("in_process"):
+        if cfg.get("tensor_parallel_size", 1) > 1:
+            raise ValueError("in_process needs tensor_parallel_size 1")
+        full_env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # one torch thread, as vLLM's CPU worker process sets for itself
+        full_env.setdefault("OMP_NUM_THREADS", "1")
+    full_env.update(env or {})
+    return full_env
+
+
 class EngineProc:
-    """Parent-side handle: start, talk to and stop one engine process."""
+    """Parent-side handle: start, talk to and stop one engine process. ``preloaded``: an
+    in-process engine is forked from this process's preloaded interpreter
+    (:mod:`engine_zygote`: no torch / vLLM import per engine) where its environment
+    allows, else started fresh."""
 
     def __init__(
-        self, cfg: dict[str, Any], env: dict[str, str] | None = None, log: Path | None = None
+        self,
+        cfg: dict[str, Any],
+        env: dict[str, str] | None = None,
+        log: Path | None = None,
+        preloaded: bool = False,
     ):
-        full_env = dict(os.environ)
-        full_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        full_env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
-        if cfg.get("in_process"):
-            if cfg.get("tensor_parallel_size", 1) > 1:
-                raise ValueError("in_process needs tensor_parallel_size 1")
-            full_env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-            # one torch thread, as vLLM's CPU worker process sets for itself
-            full_env.setdefault("OMP_NUM_THREADS", "1")
-        full_env.update(env or {})
+        full_env = engine_env(cfg, env)
         self.log_lines: deque[str] = deque(maxlen=4000)
         self.log_path = log
         self._log_file = open(log, "a") if log else None  # noqa: SIM115
-        self.proc = subprocess.Popen(
+        forked = self._fork(cfg, full_env, log) if preloaded and cfg.get("in_process") else None
+        #: forked from the zygote, or started fresh
+        self.forked = forked is not None
+        self.proc: subprocess.Popen[str] | ForkedProcess = forked or self._popen(cfg, full_env)
+        self._replies: deque[dict[str, Any]] = deque()
+        self._cv = threading.Condition()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    @staticmethod
+    def _fork(cfg: dict[str, Any], env: dict[str, str], log: Path | None) -> ForkedProcess | None:
+        from vllm_omni_kv.testing import engine_zygote
+
+        zygote_log = log.parent / f"zygote-{os.getpid()}.log" if log else None
+        zygote_env = engine_env({"in_process": True})
+        return engine_zygote.spawn(cfg, env, os.getcwd(), zygote_env, zygote_log)
+
+    @staticmethod
+    def _popen(cfg: dict[str, Any], env: dict[str, str]) -> subprocess.Popen[str]:
+        return subprocess.Popen(
             [sys.executable, "-m", "vllm_omni_kv.testing.engine_proc", json.dumps(cfg)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env=full_env,
+            env=env,
             start_new_session=True,
         )
-        self._replies: deque[dict[str, Any]] = deque()
-        self._cv = threading.Condition()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
