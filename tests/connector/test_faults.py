@@ -55,7 +55,7 @@ BYTES_PER_TOKEN = 2 * 2 * 2 * 64 * 4
 #: the follow-up prompt fills 64 blocks: a ~4 MiB frame
 FOLLOW_UP_TOKENS = (SMALL_CACHE_BLOCKS - 1) * 32 - 16
 #: the Mooncake consumer's receive pool: one follow-up frame fits, not with a leaked
-#: frame of the kill batch (~3 MiB each) beside it
+#: frame of the kill batch (~3.6 MiB each) beside it
 CONSUMER_POOL = 6 << 20
 
 
@@ -84,7 +84,9 @@ class Fixture:
 @pytest.fixture(scope="module")
 def fx(tiny_model_dir: Path) -> Fixture:
     groups = {
-        "kill": [long_prompt(tiny_model_dir, 1500 + 7 * i, seed=40 + i) for i in range(8)],
+        # enough pulls (~45 MiB through a 6 MiB pool) that the kill lands mid-pull also when
+        # this process is slow to be scheduled on a loaded machine
+        "kill": [long_prompt(tiny_model_dir, 1800 + 7 * i, seed=40 + i) for i in range(12)],
         "wait": make_prompts(tiny_model_dir, 2, seed=50),
         "after": [long_prompt(tiny_model_dir, FOLLOW_UP_TOKENS, seed=51)],
         "shm_after": make_prompts(tiny_model_dir, 2, seed=52),
