@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -188,3 +189,35 @@ def example_servers(model_dir: Path) -> Iterator[Servers]:
         for p in reversed(procs):
             _stop(p)
         sweep_dead_segments()
+
+
+def metric(base: str, name: str, labels: str = "") -> float:
+    """Sum of a metric's samples on ``base``'s /metrics whose labels contain ``labels``;
+    ``AssertionError`` when the server exports no such metric."""
+    text = requests.get(base + "/metrics", timeout=10).text
+    opt = "" if labels else "?"  # labels asked for: only labelled samples
+    pat = re.compile(
+        rf"^{re.escape(name)}(?:\{{[^}}]*{re.escape(labels)}[^}}]*\}}){opt} ([0-9.e+-]+)$", re.M
+    )
+    found = pat.findall(text)
+    assert found, f"{base}/metrics has no {name}{{{labels}}}"
+    return sum(float(v) for v in found)
+
+
+def held_after_a_step(base: str, model: str) -> float:
+    """The producer's ``vllm:omnikv_payloads_held`` after a step of its own: the connector
+    reports the gauge only with an engine step, sampled at most once a second."""
+    time.sleep(1.1)
+    poke = {"model": model, "prompt": [1, 2, 3], "max_tokens": 1}
+    requests.post(base + "/v1/completions", json=poke, timeout=60).raise_for_status()
+    return metric(base, "vllm:omnikv_payloads_held")
+
+
+def wait_nothing_held(base: str, model: str, timeout: float = 20.0) -> float:
+    """Poll :func:`held_after_a_step` until the producer holds no payload (or ``timeout``);
+    the last value."""
+    deadline = time.monotonic() + timeout
+    held = held_after_a_step(base, model)
+    while held and time.monotonic() < deadline:
+        held = held_after_a_step(base, model)
+    return held

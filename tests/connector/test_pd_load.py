@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +22,7 @@ import aiohttp
 import pytest
 import requests
 from pd_helpers import LOG_DIR, SERVE_NAMESPACE, make_prompts
-from serve_helpers import EXAMPLE_SEND_TTL, Servers
+from serve_helpers import EXAMPLE_SEND_TTL, Servers, metric
 
 from vllm_omni_kv.backends.shm.inventory import inventory
 
@@ -120,16 +119,6 @@ def _reference(stack: Servers, prompts: list[list[int]]) -> list[str]:
     return [c["text"] for c in choices]
 
 
-def _metric(base: str, name: str, labels: str = "") -> float:
-    """Sum of a metric's samples on ``base``'s /metrics whose labels contain ``labels``."""
-    text = requests.get(base + "/metrics", timeout=10).text
-    opt = "" if labels else "?"  # labels asked for: only labelled samples
-    pat = re.compile(
-        rf"^{re.escape(name)}(?:\{{[^}}]*{re.escape(labels)}[^}}]*\}}){opt} ([0-9.e+-]+)$", re.M
-    )
-    return sum(float(m.group(1)) for m in pat.finditer(text))
-
-
 def _healthy(stack: Servers) -> None:
     for base in (stack.prefill, stack.decode, stack.proxy):
         assert requests.get(base + "/health", timeout=10).status_code == 200, base
@@ -138,7 +127,7 @@ def _healthy(stack: Servers) -> None:
 def _idle(base: str, deadline_s: float) -> None:
     deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline:
-        if not _metric(base, "vllm:num_requests_running") + _metric(
+        if not metric(base, "vllm:num_requests_running") + metric(
             base, "vllm:num_requests_waiting"
         ):
             return
@@ -165,11 +154,11 @@ def _settled(stack: Servers, deadline_s: float) -> dict[str, float]:
         poke = {"model": stack.model, "prompt": [1, 2, 3], "max_tokens": 1}
         requests.post(stack.prefill + "/v1/completions", json=poke, timeout=60)
         state = {
-            f"{side}:{m}": _metric(base, f"vllm:{m}")
+            f"{side}:{m}": metric(base, f"vllm:{m}")
             for side, base in (("producer", stack.prefill), ("consumer", stack.decode))
             for m in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
         }
-        state["producer:omnikv_payloads_held"] = _metric(stack.prefill, "vllm:omnikv_payloads_held")
+        state["producer:omnikv_payloads_held"] = metric(stack.prefill, "vllm:omnikv_payloads_held")
         state["shm_files_left"] = float(_left_behind())
         if not any(state.values()):
             return state
@@ -185,8 +174,8 @@ def test_concurrent_streams_with_aborts_then_no_leak_and_a_clean_rerun(
     ]
     assert len(prompts) == REQUESTS and len({tuple(p) for p in prompts}) == REQUESTS
     ref = _reference(stack, prompts)
-    loads_before = _metric(stack.decode, "vllm:omnikv_loads_total")
-    tokens_before = _metric(stack.decode, "vllm:generation_tokens_total")
+    loads_before = metric(stack.decode, "vllm:omnikv_loads_total")
+    tokens_before = metric(stack.decode, "vllm:generation_tokens_total")
     plan = [_abort_plan(i) for i in range(REQUESTS)]
     assert sum(a is not None for a in plan) / REQUESTS >= 0.25
 
@@ -196,13 +185,13 @@ def test_concurrent_streams_with_aborts_then_no_leak_and_a_clean_rerun(
     assert len(done) == REQUESTS - sum(a is not None for a in plan)
     for o, want in done:
         assert o.finish_reason == "length" and o.text == want
-    loaded = _metric(stack.decode, "vllm:omnikv_loads_total") - loads_before
+    loaded = metric(stack.decode, "vllm:omnikv_loads_total") - loads_before
     # the completed requests' KV came from the producer (none was cached on the consumer)
     assert loaded >= len(done), (loaded, len(done))
     # the hang-ups reached the decode server (proxy -> consumer): the aborted requests
     # stopped generating instead of running to max_tokens
     _idle(stack.decode, deadline_s=30)
-    extra = _metric(stack.decode, "vllm:generation_tokens_total") - tokens_before
+    extra = metric(stack.decode, "vllm:generation_tokens_total") - tokens_before
     extra -= len(done) * MAX_TOKENS
     aborted = REQUESTS - len(done)
     assert 0 <= extra < aborted * ABORTED_MAX_TOKENS / 2, (extra, aborted)

@@ -14,7 +14,9 @@ from typing import Any
 import pytest
 import requests
 from pd_helpers import LOG_DIR, SERVE_NAMESPACE, make_prompts
-from serve_helpers import Servers
+from serve_helpers import Servers, wait_nothing_held
+
+from vllm_omni_kv.backends.shm.inventory import inventory
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -48,17 +50,11 @@ def test_completions_through_proxy_match_colocated(servers: Servers, tiny_model_
         assert pages < load["bytes"] < pages + 4096, load
         assert got["usage"]["prompt_tokens"] == len(ids)
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and _holds():
+    while time.monotonic() < deadline and inventory(SERVE_NAMESPACE).holds:
         time.sleep(0.2)
-    assert not _holds()
+    assert inventory(SERVE_NAMESPACE).holds == 0, inventory(SERVE_NAMESPACE)
+    assert wait_nothing_held(servers.prefill, servers.model) == 0
     assert "packed payloads instead" not in (LOG_DIR / "serve-producer.log").read_text()
-
-
-def _holds() -> set[str]:
-    from vllm_omni_kv.backends.shm import arena
-
-    mine = f"{arena.HOLD_PREFIX}{arena.namespace_tag(SERVE_NAMESPACE)}_"
-    return {n for n in os.listdir(arena.SHM_DIR) if n.startswith(mine)}
 
 
 def test_chat_through_proxy_matches_colocated(servers: Servers) -> None:
