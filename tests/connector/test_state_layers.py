@@ -194,3 +194,33 @@ def test_state_layout_identity_round_trips_and_rejects_malformed() -> None:
     for bad in (None, {"shapes": [[3, 384]]}, {**ident.to_dict(), "dtypes": ["float32"]}):
         with pytest.raises(KVPayloadError):
             StateLayoutId.of(bad)
+
+
+def test_the_producer_prefills_all_but_the_last_token_once() -> None:
+    """A producer's request of a model with state layers loses its last prompt token and
+    generates one token (its state after ``N - 1`` tokens is what a consumer loads); a
+    second call (a preempted request scheduled again) changes nothing."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    from vllm_omni_kv.connector.state_layers import (
+        payload_tokens,
+        state_backoff,
+        truncate_for_save,
+    )
+
+    kcc = _kv_cache_config(torch.float32)
+    backoff = state_backoff(kcc)
+    assert backoff == 1
+    sp = SamplingParams(
+        max_tokens=16, extra_args={"kv_transfer_params": {"do_remote_decode": True}}
+    )
+    req = Request("r", list(range(10, 20)), sp, None)
+    for _ in range(2):
+        truncate_for_save(req, backoff)
+        assert req.prompt_token_ids == list(range(10, 19))
+        assert req.num_prompt_tokens == 9 and req.num_tokens == 9 and req.max_tokens == 1
+    assert payload_tokens(10, backoff) == 9 and payload_tokens(1, backoff) == 0
+    plain = KVCacheConfig(num_blocks=BLOCKS, kv_cache_tensors=[],
+                          kv_cache_groups=kcc.kv_cache_groups[-1:])  # fmt: skip
+    assert state_backoff(plain) == 0 and payload_tokens(10, 0) == 10
