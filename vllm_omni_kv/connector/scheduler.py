@@ -166,14 +166,14 @@ class OmniKVScheduler:
         remote = self._remote_params(request, params)
         if remote is None:
             return 0, False
-        count = payload_tokens(int(request.num_prompt_tokens), self.backoff)
-        count -= int(num_computed_tokens)
-        if count <= 0:
-            return 0, False
         # Every uncomputed token is loaded, a part of one block included (as vLLM's
         # NixlConnector does): vLLM recomputes only the prompt's last token after a load.
         # The external span starts right after the local prefix vLLM reports here.
         self._local_prefix[request.request_id] = int(num_computed_tokens)
+        count = payload_tokens(int(request.num_prompt_tokens), self.backoff)
+        count -= int(num_computed_tokens)
+        if count <= 0:  # a local hit covers what the payload holds
+            return 0, False
         if request.request_id not in self._waiting:  # until its blocks are allocated
             self._waiting[request.request_id] = self._remote(request, remote)
         return count, True

@@ -50,6 +50,7 @@ LLM_KEYS: dict[str, Any] = {
     "enable_prefix_caching": None,  # vLLM's default
     "tensor_parallel_size": 1,
     "num_gpu_blocks_override": None,  # a small KV cache (leak checks fill all of it)
+    "mamba_ssm_cache_dtype": None,  # state layers' SSM state dtype (vLLM's default: "auto")
 }
 
 
