@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from vllm_omni_kv.tiny_model import TinyModelSpec, write_tiny_model
 
@@ -60,3 +61,121 @@ def tiny_gemma3() -> Path:
         shutil.copy(llama / name, out / name)
     (out / ".done").write_text("")
     return out
+
+
+def _write_atomic(out: Path, build: Any) -> Path:
+    """Build a model into a temporary sibling of ``out`` with ``build(dir)``, add the tiny
+    Llama's tokenizer and rename it into place (a half-written model is never seen)."""
+    import shutil
+    import tempfile
+
+    if (out / ".done").exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        build(tmp)
+        llama = tiny_model()
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            shutil.copy(llama / name, tmp / name)
+        (tmp / ".done").write_text("")
+        try:
+            tmp.rename(out)
+        except OSError:  # another process finished first
+            if not (out / ".done").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+#: the tiny Qwen3-Next's layers: gated delta net (linear attention) on 0-2, full attention on 3
+QWEN3_NEXT_LAYERS = ("linear_attention",) * 3 + ("full_attention",)
+
+
+def tiny_qwen3_next() -> Path:
+    """A tiny random Qwen3-Next (built with ``transformers``): 3 gated-delta-net layers
+    (one key and one value head of 128: vLLM's CPU GDN kernel needs 128) and one
+    full-attention layer (2 KV heads of 64), a 4-expert MoE, bfloat16."""
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    def build(tmp: Path) -> None:
+        cfg = Qwen3NextConfig(
+            vocab_size=2048,
+            hidden_size=256,
+            intermediate_size=256,
+            num_hidden_layers=len(QWEN3_NEXT_LAYERS),
+            layer_types=list(QWEN3_NEXT_LAYERS),
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_num_key_heads=1,
+            linear_num_value_heads=1,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            shared_expert_intermediate_size=64,
+            decoder_sparse_step=1,
+            max_position_embeddings=4096,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=2,
+            tie_word_embeddings=False,
+            initializer_range=0.1,  # peaked logits: fewer bfloat16 near ties than 0.02's
+        )
+        torch.manual_seed(0)
+        model = Qwen3NextForCausalLM(cfg).to(torch.bfloat16)
+        model.config.architectures = ["Qwen3NextForCausalLM"]
+        model.save_pretrained(str(tmp), safe_serialization=True)
+
+    return _write_atomic(MODEL_CACHE / "qwen3-next-tiny-v2", build)
+
+
+#: the tiny Granite 4.0-H's layers: Mamba2 on 0, 1 and 3, full attention on 2
+GRANITE_HYBRID_LAYERS = ("linear_attention",) * 2 + ("full_attention", "linear_attention")
+
+
+def tiny_granite_hybrid() -> Path:
+    """A tiny random GraniteMoeHybrid (Granite 4.0-H: Mamba2 and attention, built with
+    ``transformers``): 3 Mamba2 layers (4 heads of 32, state 64, one group) and one
+    full-attention layer (2 KV heads of 32), a 4-expert MoE with a shared expert, float32."""
+    import torch
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    def build(tmp: Path) -> None:
+        cfg = GraniteMoeHybridConfig(
+            vocab_size=2048,
+            hidden_size=128,
+            intermediate_size=128,
+            shared_intermediate_size=128,
+            num_hidden_layers=len(GRANITE_HYBRID_LAYERS),
+            layer_types=list(GRANITE_HYBRID_LAYERS),
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            mamba_n_heads=4,
+            mamba_n_groups=1,
+            mamba_d_state=64,
+            mamba_d_head=32,
+            mamba_d_conv=4,
+            mamba_expand=1,
+            mamba_chunk_size=128,
+            position_embedding_type="rope",
+            max_position_embeddings=4096,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=2,
+            tie_word_embeddings=True,
+            initializer_range=0.1,  # peaked logits: fewer near ties than 0.02's
+        )
+        torch.manual_seed(0)
+        model = GraniteMoeHybridForCausalLM(cfg).to(torch.float32)
+        model.config.architectures = ["GraniteMoeHybridForCausalLM"]
+        model.save_pretrained(str(tmp), safe_serialization=True)
+
+    return _write_atomic(MODEL_CACHE / "granite-hybrid-tiny-v3", build)

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from vllm_omni_kv.connector.state_layers import StateSpecs, state_specs
 from vllm_omni_kv.errors import ConfigError
 from vllm_omni_kv.kvcache.cache_layout import (
     BACKEND_PACKING,
@@ -96,6 +97,8 @@ class EngineLayout:
     cache_dtype: str = "auto"  # ``cache_config.cache_dtype``
     #: per layer name, its attention spec's facts (empty: vLLM gave no KVCacheConfig)
     specs: Mapping[str, SpecFacts] = field(default_factory=dict, hash=False)
+    #: per state layer name (Mamba / GDN / short conv), its identity and block size
+    states: StateSpecs = field(default_factory=dict, hash=False)
 
     def spec(self, name: str) -> SpecFacts | None:
         """The facts of layer ``name``, or the one set every layer shares."""
@@ -157,11 +160,13 @@ class EngineLayout:
         return ident
 
 
-def _backend_name(vllm_config: Any) -> str:
+def _backend_name(vllm_config: Any, layer_names: list[str] | None = None) -> str:
+    """The attention backend of ``layer_names`` (None: of every layer)."""
     try:
         from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
 
-        names = sorted({b.get_name() for b in get_current_attn_backends(vllm_config)})
+        backends = get_current_attn_backends(vllm_config, layer_names)
+        names = sorted({b.get_name() for b in backends})
     except Exception as e:  # no attention layers registered (tests), or an older vLLM
         logger.debug("attention backend lookup failed: %s", e)
         names = []
@@ -186,11 +191,15 @@ def engine_layout(vllm_config: Any, kv_cache_config: Any = None) -> EngineLayout
         cache, "kv_cache_layout", None
     )
     model = getattr(vllm_config, "model_config", None)
+    specs = spec_facts(kv_cache_config)
+    states = state_specs(vllm_config, kv_cache_config)
     return EngineLayout(
         block_size=int(cache.block_size),
         layout=layout_name(str(layout)) if layout else None,
-        backend=_backend_name(vllm_config),
+        # the attention layers' backend (state layers run their own, e.g. GDN_ATTN)
+        backend=_backend_name(vllm_config, sorted(specs) if states and specs else None),
         use_mla=bool(getattr(model, "use_mla", False)),
         cache_dtype=str(getattr(cache, "cache_dtype", "auto") or "auto"),
-        specs=spec_facts(kv_cache_config),
+        specs=specs,
+        states=states,
     )

@@ -40,6 +40,16 @@ def transfer_tables(kv_cache_config: Any, block_ids: Sequence[Sequence[int]]) ->
     return [[int(b) for b in g] for g in groups]
 
 
+def main_group(kv_cache_config: Any) -> int:
+    """The index (among transfer groups) of the first attention group: its table is a
+    load's or save's ``block_ids`` (a state group's table is not per token)."""
+    groups = getattr(kv_cache_config, "transfer_groups", None) or ()
+    for i, g in enumerate(groups):
+        if getattr(g.kv_cache_spec, "shapes", None) is None:
+            return i
+    return 0
+
+
 def transfer_group_count(kv_cache_config: Any) -> int:
     """How many KV cache groups take part in transfers (1 without a config)."""
     ids = getattr(kv_cache_config, "transfer_group_ids", None)
@@ -155,9 +165,12 @@ def _layer_tables(
     return ids, [kept_from(t, start_block, needed) for t in ids]
 
 
-def plan_groups(part: dict[str, Any], layers: Sequence[LayerCache], spec: LoadSpec) -> BlocksPlan:
+def plan_groups(
+    part: dict[str, Any], layers: Sequence[LayerCache], spec: LoadSpec, extra: int = 0
+) -> BlocksPlan:
     """The plan of a paged-blocks payload (or part) into a cache of several KV cache
-    groups: each layer writes its group's blocks, from the first one it keeps."""
+    groups: each layer writes its group's blocks, from the first one it keeps. ``extra``:
+    payload layers after ``layers`` that hold no pages (state layers, planned apart)."""
     if not is_block_payload(part):
         raise KVPayloadError(
             "a model with several KV cache groups loads paged-blocks payloads only (equal "
@@ -165,15 +178,18 @@ def plan_groups(part: dict[str, Any], layers: Sequence[LayerCache], spec: LoadSp
         )
     info = part_info(part)
     first = 0 if info is None else info[2]
-    local = layers[first : first + part_layer_count(part)]
+    local = [*layers, *[None] * extra][first : first + part_layer_count(part)]
     bs = layers[0].ident.block_size
     needed = -(-spec.num_prompt_tokens // bs)
     ids, starts = _layer_tables(
-        spec.tables(), [x.group for x in local], spec.num_local_tokens // bs, needed
+        spec.tables(),
+        [layers[0].group if x is None else x.group for x in local],
+        spec.num_local_tokens // bs,
+        needed,
     )
     return plan_block_injection(
         part,
-        [x.cache for x in local],
+        [None if x is None else x.cache for x in local],
         spec.block_ids,
         layout=layers[0].ident,
         layer_ids=ids,

@@ -19,6 +19,7 @@ from vllm_omni_kv.connector.config import OmniKVConfig
 from vllm_omni_kv.connector.metadata import LoadSpec, RemotePayload
 from vllm_omni_kv.connector.outcome import Outcome as _Outcome
 from vllm_omni_kv.connector.receive import LayerCache, receive
+from vllm_omni_kv.connector.state_layers import StateLayer
 from vllm_omni_kv.errors import (
     KVPayloadError,
     KVTransferCancelled,
@@ -44,9 +45,11 @@ class LoadRunner:
         tp: tuple[int, int],
         block_size: int,
         compat: CompatIdentity | None,
+        states: Sequence[StateLayer] = (),
     ) -> None:
-        """``tp``: this worker's ``(rank, size)``."""
-        self.session, self.cfg, self.layers = session, cfg, layers
+        """``tp``: this worker's ``(rank, size)``; ``states``: the state layers of a hybrid
+        model (after ``layers`` in a payload)."""
+        self.session, self.cfg, self.layers, self.states = session, cfg, layers, states
         self.tp_rank, self.tp_size = tp
         self.block_size = block_size
         self.compat = compat
@@ -114,6 +117,7 @@ class LoadRunner:
                 cancel,
                 self.compat,
                 after,
+                self.states,
             )
         except KVTransferCancelled as e:
             for (key, _r), ep in zip(keys, endpoints, strict=True):  # tell the producer

@@ -21,8 +21,8 @@ import torch
 
 from vllm_omni_kv.connector.compat import COMPAT_KEY, CompatIdentity
 from vllm_omni_kv.connector.engine_layout import EngineLayout
-from vllm_omni_kv.connector.kv_groups import plan_groups
 from vllm_omni_kv.connector.metadata import LoadSpec
+from vllm_omni_kv.connector.state_layers import StateLayer, plan_payload
 from vllm_omni_kv.errors import ConfigError, KVPayloadError
 from vllm_omni_kv.kvcache.cache_layout import KVLayoutId, block_kv
 from vllm_omni_kv.kvcache.device_order import DeviceEvent, mark, streams_of
@@ -159,13 +159,18 @@ def forward_mark(layers: Sequence[LayerCache]) -> DeviceEvent | None:
 
 
 def _plan(
-    part: dict[str, Any], layers: Sequence[LayerCache], spec: LoadSpec, session: TransferSession
+    part: dict[str, Any],
+    layers: Sequence[LayerCache],
+    spec: LoadSpec,
+    session: TransferSession,
+    states: Sequence[StateLayer] = (),
 ) -> InjectionPlan:
-    """The injection plan of one received payload (or layer-wise part) into ``layers``."""
+    """The injection plan of one received payload (or layer-wise part) into ``layers``
+    (and ``states``, the state layers of a hybrid model)."""
     ident = layers[0].ident
     start = spec.num_local_tokens
     if spec.group_block_ids is not None:
-        return plan_groups(part, layers, spec)
+        return plan_payload(part, layers, states, spec)
     if is_shared_payload(part):  # the pages are copied from the producer's cache
         caches: list[Any] = [x.cache for x in layers]
         return plan_injection(
@@ -197,8 +202,10 @@ def receive(
     cancel: threading.Event,
     compat: CompatIdentity | None = None,
     after: DeviceEvent | None = None,
+    states: Sequence[StateLayer] = (),
 ) -> Received:
-    """Load tokens ``[num_local_tokens, num_prompt_tokens)`` of ``spec``; every payload
+    """Load tokens ``[num_local_tokens, num_prompt_tokens)`` of ``spec`` (and the state of
+    ``states`` after them); every payload
     must carry ``compat`` (this engine's compatibility identity) when it is given, and
     the writes run after ``after`` (:func:`forward_mark` of when the load started).
     One descent: the session hands out each payload's stream, kvcache plans where its
@@ -213,7 +220,7 @@ def receive(
                 with stream:
                     part = stream.obj
                     check_payload(part, spec, block_size, compat)
-                    plan = _plan(part, layers, spec, session)
+                    plan = _plan(part, layers, spec, session, states)
                     t0 = time.perf_counter()
                     plan.apply(stream, deadline, cancel)
                     write += time.perf_counter() - t0

@@ -29,6 +29,7 @@ from vllm_omni_kv.connector.config import OmniKVConfig
 from vllm_omni_kv.connector.handoff import extend_every
 from vllm_omni_kv.connector.kv_groups import (
     kept_blocks,
+    main_group,
     save_tables,
     transfer_group_count,
     transfer_tables,
@@ -47,6 +48,7 @@ from vllm_omni_kv.connector.remote_params import (
     RemoteParamsError,
     parse_remote_params,
 )
+from vllm_omni_kv.connector.state_layers import payload_tokens, state_backoff, truncate_for_save
 from vllm_omni_kv.logger import init_logger
 
 if TYPE_CHECKING:
@@ -81,6 +83,9 @@ class OmniKVScheduler:
         self.kv_cache_config = kv_cache_config
         # several transfer groups (vLLM's hybrid KV cache manager): block ids per group
         self.hybrid = transfer_group_count(kv_cache_config) > 1
+        self.main = main_group(kv_cache_config)  # the group whose table is ``block_ids``
+        # prompt tokens a consumer computes itself (1 with state layers, see .state_layers)
+        self.backoff = state_backoff(kv_cache_config)
         self.is_producer = bool(ktc.is_kv_producer)
         self.is_consumer = bool(ktc.is_kv_consumer)
         self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
@@ -149,6 +154,7 @@ class OmniKVScheduler:
     def on_new_request(self, request: Request) -> None:
         params = request.kv_transfer_params
         if self.is_producer and params and params.get("do_remote_decode"):
+            truncate_for_save(request, self.backoff)
             self._to_save[request.request_id] = request
 
     def get_num_new_matched_tokens(
@@ -160,13 +166,14 @@ class OmniKVScheduler:
         remote = self._remote_params(request, params)
         if remote is None:
             return 0, False
-        count = int(request.num_prompt_tokens) - int(num_computed_tokens)
-        if count <= 0:
-            return 0, False
         # Every uncomputed token is loaded, a part of one block included (as vLLM's
         # NixlConnector does): vLLM recomputes only the prompt's last token after a load.
         # The external span starts right after the local prefix vLLM reports here.
         self._local_prefix[request.request_id] = int(num_computed_tokens)
+        count = payload_tokens(int(request.num_prompt_tokens), self.backoff)
+        count -= int(num_computed_tokens)
+        if count <= 0:  # a local hit covers what the payload holds
+            return 0, False
         if request.request_id not in self._waiting:  # until its blocks are allocated
             self._waiting[request.request_id] = self._remote(request, remote)
         return count, True
@@ -183,18 +190,18 @@ class OmniKVScheduler:
         if remote is None:
             params["do_remote_prefill"] = False
             return
-        num_prompt = int(request.num_prompt_tokens)
+        num_prompt = payload_tokens(int(request.num_prompt_tokens), self.backoff)
         if 0 < num_external_tokens <= num_prompt - local_prefix:
             tables = transfer_tables(self.kv_cache_config, blocks.get_block_ids())
             spec = LoadSpec(
                 req_id=request.request_id,
                 transfer_id=remote.transfer_id,
-                block_ids=tables[0],
+                block_ids=tables[self.main],
                 group_block_ids=tables if self.hybrid else None,
                 num_local_tokens=local_prefix,
                 num_load_tokens=int(num_external_tokens),
                 num_prompt_tokens=num_prompt,
-                prompt_digest=prompt_digest(request.prompt_token_ids),
+                prompt_digest=prompt_digest((request.prompt_token_ids or [])[:num_prompt]),
                 source_tp_size=remote.tp_size,
                 remote_host=remote.host,
                 remote_port=remote.port,
@@ -256,7 +263,7 @@ class OmniKVScheduler:
         return SaveSpec(
             req_id=request.request_id,
             transfer_id=transfer_id(self.engine_id, request.request_id),
-            block_ids=list(groups[0][:n_blocks]) if tables is None else tables[0],
+            block_ids=list(groups[0][:n_blocks]) if tables is None else tables[self.main],
             num_tokens=n_prompt,
             prompt_digest=prompt_digest(request.prompt_token_ids),
             group_block_ids=tables,

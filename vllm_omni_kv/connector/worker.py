@@ -37,7 +37,7 @@ from vllm_omni_kv.connector.compat import COMPAT_KEY, engine_compat
 from vllm_omni_kv.connector.config import OmniKVConfig
 from vllm_omni_kv.connector.engine_layout import EngineLayout, engine_layout
 from vllm_omni_kv.connector.handoff import ProducerHandoffs
-from vllm_omni_kv.connector.kv_groups import LayerGroups, group_layers, payload_tables
+from vllm_omni_kv.connector.kv_groups import LayerGroups, group_layers
 from vllm_omni_kv.connector.loads import LoadRunner
 from vllm_omni_kv.connector.metadata import (
     LoadSpec,
@@ -49,6 +49,13 @@ from vllm_omni_kv.connector.outcome import Outcome as _Outcome
 from vllm_omni_kv.connector.outcome import report
 from vllm_omni_kv.connector.page_export import PageExport, export_pages
 from vllm_omni_kv.connector.receive import LayerCache, forward_mark, layer_caches, token_caches
+from vllm_omni_kv.connector.state_layers import (
+    StateLayer,
+    check_states_format,
+    extract_payload,
+    one_copy_refusal,
+    split_states,
+)
 from vllm_omni_kv.connector.stats import OmniKVConnectorStats
 from vllm_omni_kv.errors import (
     ConfigError,
@@ -56,7 +63,6 @@ from vllm_omni_kv.errors import (
 )
 from vllm_omni_kv.kvcache.device_staging import DeviceStager
 from vllm_omni_kv.kvcache.kv_utils import KVTPTopology, get_local_tp_rank, get_tp_world_size
-from vllm_omni_kv.kvcache.paged_blocks import extract_request_blocks
 from vllm_omni_kv.kvcache.token_major import extract_request_kv
 from vllm_omni_kv.logger import init_logger
 from vllm_omni_kv.transfer.session import SessionPolicy, TransferSession
@@ -108,6 +114,7 @@ class OmniKVWorker:
         self.session = self._open_session(cfg)
         cfg.log_trust()
         self.layers: list[LayerCache] = []
+        self.states: list[StateLayer] = []  # Mamba / GDN / short-conv layers (hybrid models)
         self.paged_blocks = False
         self.stats = OmniKVConnectorStats()
         self._lock = threading.Lock()
@@ -169,6 +176,7 @@ class OmniKVWorker:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self.engine is None:
             self.engine = engine_layout(self.vllm_config, self.kv_cache_config)
+        kv_caches, self.states = split_states(kv_caches, self.engine.states, self.groups)
         self.layers = group_layers(layer_caches(kv_caches, self.engine), self.groups)
         fmt = self.cfg.transfer_format
         self.paged_blocks = fmt != "token_major" and self.target_tp_size == self.tp_size
@@ -177,6 +185,7 @@ class OmniKVWorker:
                 "kv_connector_extra_config.transfer_format 'paged_blocks' needs equal producer "
                 "and consumer TP sizes; use 'auto'"
             )
+        check_states_format(self.states, self.paged_blocks)
         self.groups.check_format(self.paged_blocks)
         if not self.paged_blocks and any(x.kv is None for x in self.layers):
             raise ConfigError(
@@ -195,6 +204,7 @@ class OmniKVWorker:
                 (self.tp_rank, self.tp_size),
                 self.block_size,
                 self.compat,
+                self.states,
             )
         if self._region is not None and self.layers and self.is_producer:
             self._export = self._export_pages()
@@ -215,7 +225,7 @@ class OmniKVWorker:
     def _export_pages(self) -> PageExport | None:
         """The one-copy export of this producer's cache, or None (packed payloads)."""
         assert self._region is not None
-        why = self.groups.one_copy_refusal
+        why = one_copy_refusal(self.groups, self.states)
         if why is None and not self.paged_blocks:
             why = "producer and consumer TP sizes differ (token-major payloads)"
         return export_pages(self._region, self.layers, self.cfg.backend_name, why)
@@ -235,15 +245,8 @@ class OmniKVWorker:
         if hold and self._export is not None:
             return self._export.payload(spec, self.layers, hold, md), ident.page_bytes
         if self.paged_blocks:
-            data = extract_request_blocks(
-                spec.transfer_id,
-                spec.block_ids,
-                spec.num_tokens,
-                [x.cache for x in self.layers],
-                layout=ident,
-                metadata=md,
-                stager=self._stager,
-                **payload_tables(spec, self.layers, self.block_size),
+            data = extract_payload(
+                spec, self.layers, self.states, ident, md, self._stager, self.block_size
             )
             return data, ident.page_bytes
         data = extract_request_kv(

@@ -54,6 +54,7 @@ LLM_KEYS: dict[str, Any] = {
     "tensor_parallel_size": 1,
     "num_gpu_blocks_override": None,  # a small KV cache (leak checks fill all of it)
     "disable_hybrid_kv_cache_manager": None,  # vLLM's default (HMA on where it applies)
+    "mamba_ssm_cache_dtype": None,  # state layers' SSM state dtype (vLLM's default: "auto")
 }
 
 
