@@ -6,7 +6,10 @@ Asserted: the consumer decodes the producer's own greedy tokens for every prompt
 load moves whole pages for every block of the full-attention layer and only the window's
 blocks of each sliding layer (vLLM's rule: after ``n`` tokens a window of ``w`` keeps
 blocks from ``(n - w + 1) // 32``); ``remote_block_ids`` holds one list per KV cache
-group; a prompt cached on the consumer loads only the blocks after its local hit.
+group; a prompt cached on the consumer loads only the blocks after its local hit. The
+payloads are shm's default, one copy: each prefill leaves a hold on the producer's blocks
+(a shared-pages payload; a packed one holds none), a load moves exactly its pages plus a
+descriptor under 4 KiB, and the producer never logs a fallback to packed payloads.
 """
 
 from __future__ import annotations
@@ -20,7 +23,18 @@ import pytest
 pytest.importorskip("vllm")
 
 from _models import GEMMA3_LAYERS, GEMMA3_WINDOW, tiny_gemma3  # noqa: E402
-from pd_helpers import EngineProc, engine_cfg, engines, long_prompt, make_prompts, omni_ktc  # noqa: E402
+from pd_helpers import (  # noqa: E402
+    LOG_DIR,
+    NAMESPACE,
+    EngineProc,
+    engine_cfg,
+    engines,
+    long_prompt,
+    make_prompts,
+    omni_ktc,
+)
+
+from vllm_omni_kv.backends.shm.inventory import inventory  # noqa: E402
 
 BS = 32
 PAGE = 2 * BS * 2 * 64 * 4  # one block of one layer: 2 KV heads of 64, K and V, float32
@@ -72,6 +86,7 @@ def _decode(
     """``(tokens, omni_kv_load, the producer's params)`` of each prompt, decoded by the
     consumer from the producer's prefill."""
     params = _prefill(prod, prompts)
+    assert inventory(NAMESPACE).holds >= len(prompts)  # one copy: the blocks are held
     r = cons.generate(prompts, max_tokens=16, kv_transfer_params=params)
     assert "error" not in r, r
     return [
@@ -94,7 +109,7 @@ def test_hybrid_pd_moves_each_layer_its_blocks_and_decodes_the_producers_tokens(
         assert tokens == want["token_ids"]
         assert load["ok"] is True and load["tokens"] == n, load
         pages, rest = divmod(load["bytes"], PAGE)
-        assert pages == _pages(n) and rest > 0, (n, load)  # the rest: the frame's metadata
+        assert pages == _pages(n) and 0 < rest < 4096, (n, load)  # the rest: the descriptor
         groups = params["remote_block_ids"]
         assert sorted(len(g) for g in groups) == sorted(
             [_blocks(n) - _window_start(n)] * SLIDING + [_blocks(n)] * FULL
@@ -108,3 +123,6 @@ def test_hybrid_pd_moves_each_layer_its_blocks_and_decodes_the_producers_tokens(
         assert tokens == want["token_ids"]
         assert load["ok"] is True and 0 < local < n and local % BS == 0, load
         assert load["bytes"] // PAGE == _pages(n, local), (n, local, load)
+        assert 0 < load["bytes"] % PAGE < 4096, load
+    log = (LOG_DIR / "hybrid-producer.log").read_text(errors="replace")
+    assert "sends packed payloads" not in log and "packed payloads instead" not in log

@@ -32,6 +32,8 @@ from sched_harness import (  # noqa: E402
 )
 from vllm.v1.engine import FinishReason  # noqa: E402
 
+from vllm_omni_kv.backends.shm.inventory import inventory  # noqa: E402
+
 N = 300  # tokens of the long prompt: 10 blocks, the window's 3 of them
 PAGE = HEADS * BS * 2 * DIM * 2  # bytes of one block of one bf16 layer
 SLIDE, FULLG = 0, 1  # the KV cache groups
@@ -56,8 +58,8 @@ def pages(load: dict) -> int:
 
 @pytest.fixture(scope="module", params=["packed", "one_copy"])
 def pair(request: pytest.FixtureRequest, tiny_model_dir: Path) -> Iterator[tuple[Engine, Engine]]:
-    """A producer and a consumer; ``one_copy``: the shm region is on (a hybrid model
-    sends packed payloads all the same)."""
+    """A producer and a consumer; ``one_copy``: the shm region is on (shared-pages
+    payloads with one block list per group), else packed payloads."""
     ns = f"hma-{uuid.uuid4().hex[:8]}"
     share = {"backend_extra": {"namespace": ns, "share_cache": request.param == "one_copy"}}
     prod = Engine(tiny_model_dir, "kv_producer", ns, seed=1, hybrid=True, **share)
@@ -67,6 +69,18 @@ def pair(request: pytest.FixtureRequest, tiny_model_dir: Path) -> Iterator[tuple
     finally:
         cons.close()
         prod.close()
+
+
+def _extra(engine: Engine) -> dict:
+    return engine.config.kv_transfer_config.kv_connector_extra_config["backend_extra"]
+
+
+def _namespace(engine: Engine) -> str:
+    return str(_extra(engine)["namespace"])
+
+
+def _one_copy(engine: Engine) -> bool:
+    return bool(_extra(engine)["share_cache"])
 
 
 def _prompt(tag: int, n: int = N) -> list[int]:
@@ -90,6 +104,8 @@ def test_each_group_gets_the_blocks_it_keeps(pair: tuple[Engine, Engine]) -> Non
     prompt = _prompt(2001)
     null_before = _null_pages(cons)
     params = prefill(prod, rid, prompt)
+    # one copy publishes a shared-pages payload under a hold on the producer's blocks
+    assert inventory(_namespace(prod)).holds == (1 if _one_copy(prod) else 0)
     first = kept_from(N)
     assert first == 7
     # remote_block_ids per group: the blocks each group of the producer keeps

@@ -100,7 +100,8 @@ class CacheRegion(ABC):
 
     #: the region's kind, named in payloads (``shm``, ``cuda_ipc``)
     kind: str = ""
-    #: consumer: the page views of the last producer region copied from (see copy_into)
+    #: consumer: the page views of the last producer region copied from, per geometry
+    #: (see copy_into)
     _views: dict[Any, tuple[torch.Tensor, list[torch.Tensor]]]
     #: whether the producer adds a digest per page, which consumers verify after copying
     #: (the backend setting ``verify_pages``, host caches only: a GPU cache would need a
@@ -265,7 +266,9 @@ class CacheRegion(ABC):
         if hit is None or hit[0] is not base:
             src = attach_layers(base, geometry, ident, caches[0].dtype)
             hit = (base, [page_view(v, ident) for v in src])
-            self._views = {key: hit}  # one producer's views: they stay valid while mapped
+            # one producer's views (one set per layer group): they stay valid while mapped
+            kept = {k: v for k, v in getattr(self, "_views", {}).items() if v[0] is base}
+            self._views = {**dict(list(kept.items())[-7:]), key: hit}
         return copy_pages(hit[1], [page_view(c, ident) for c in caches], pairs, sums, first)
 
     @abstractmethod

@@ -11,7 +11,8 @@ The connector moves, per group, the blocks the consumer's group keeps:
 * scheduler (consumer): a load names every transfer group's blocks as vLLM allocated
   them (nulls before the window);
 * worker: each registered layer belongs to one transfer group (:class:`LayerGroups`);
-  payload and plan take that group's table, from its first kept block.
+  payload and plan take that group's table, from its first kept block (a packed
+  payload per layer; a shared-pages payload per group, :func:`shared_tables`).
 
 A model with one group keeps the single-table path unchanged.
 """
@@ -23,8 +24,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm_omni_kv.errors import ConfigError, KVPayloadError
+from vllm_omni_kv.kvcache.formats import InjectionPlan, plan_injection
 from vllm_omni_kv.kvcache.layer_windows import NULL_BLOCK, kept_from
 from vllm_omni_kv.kvcache.paged_blocks import BlocksPlan, is_block_payload, plan_block_injection
+from vllm_omni_kv.kvcache.shared_pages_plan import PageSource
 from vllm_omni_kv.transfer.parts import part_info, part_layer_count
 
 if TYPE_CHECKING:
@@ -114,11 +117,6 @@ class LayerGroups:
     def hybrid(self) -> bool:
         return self.num_groups > 1
 
-    @property
-    def one_copy_refusal(self) -> str | None:
-        """Why the one-copy modes cannot name this model's pages (None: they can)."""
-        return "the model has several KV cache groups" if self.hybrid else None
-
     def check_format(self, paged_blocks: bool) -> None:
         """``ConfigError`` for a hybrid model whose payloads would be token-major."""
         if self.hybrid and not paged_blocks:
@@ -195,4 +193,47 @@ def plan_groups(
         layer_ids=ids,
         layer_first=starts,
         layer_offset=first,
+    )
+
+
+def shared_tables(
+    spec: SaveSpec, layers: Sequence[LayerCache]
+) -> list[tuple[list[int], list[int]]] | None:
+    """Producer: per transfer group, ``(its layers' payload indices, its table)`` for a
+    shared-pages payload of ``spec`` (None for a model with one group)."""
+    if spec.group_block_ids is None:
+        return None
+    by_group: dict[int, list[int]] = {}
+    for i, x in enumerate(layers):
+        by_group.setdefault(x.group, []).append(i)
+    return [(idx, list(spec.group_block_ids[g])) for g, idx in sorted(by_group.items())]
+
+
+def plan_shared(
+    part: dict[str, Any],
+    layers: Sequence[LayerCache],
+    spec: LoadSpec,
+    pages: PageSource | None,
+    verify: bool,
+) -> InjectionPlan:
+    """The plan of a shared-pages payload into a cache of several KV cache groups: each
+    layer's pages are copied into its group's blocks, from the first one it keeps."""
+    ident = layers[0].ident
+    bs = ident.block_size
+    ids, starts = _layer_tables(
+        spec.tables(),
+        [x.group for x in layers],
+        spec.num_local_tokens // bs,
+        -(-spec.num_prompt_tokens // bs),
+    )
+    return plan_injection(
+        part,
+        [x.cache for x in layers],
+        spec.block_ids,
+        start_token=spec.num_local_tokens,
+        layout=ident,
+        pages=pages,
+        verify=verify,
+        layer_ids=ids,
+        layer_first=starts,
     )

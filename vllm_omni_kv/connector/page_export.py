@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from vllm_omni_kv.backends.cache_region import CacheRegion
+from vllm_omni_kv.connector.kv_groups import shared_tables
 from vllm_omni_kv.connector.metadata import SaveSpec
 from vllm_omni_kv.connector.receive import LayerCache
 from vllm_omni_kv.kvcache.shared_pages import describe_request, layer_geometry
@@ -65,6 +66,7 @@ class PageExport:
             {**self.desc, "hold": hold},
             digests=self.region.digests,
             metadata=md,
+            groups=shared_tables(spec, layers),
         )
 
 

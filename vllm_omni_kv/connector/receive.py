@@ -21,6 +21,7 @@ import torch
 
 from vllm_omni_kv.connector.compat import COMPAT_KEY, CompatIdentity
 from vllm_omni_kv.connector.engine_layout import EngineLayout
+from vllm_omni_kv.connector.kv_groups import plan_shared
 from vllm_omni_kv.connector.metadata import LoadSpec
 from vllm_omni_kv.connector.state_layers import StateLayer, plan_payload
 from vllm_omni_kv.errors import ConfigError, KVPayloadError
@@ -170,6 +171,8 @@ def _plan(
     ident = layers[0].ident
     start = spec.num_local_tokens
     if spec.group_block_ids is not None:
+        if is_shared_payload(part) and not states:  # each group's pages, copied
+            return plan_shared(part, layers, spec, session.cache_region, session.verifies_frames)
         return plan_payload(part, layers, states, spec)
     if is_shared_payload(part):  # the pages are copied from the producer's cache
         caches: list[Any] = [x.cache for x in layers]

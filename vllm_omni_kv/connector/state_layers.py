@@ -146,11 +146,15 @@ def check_states_format(states: Sequence[StateLayer], paged_blocks: bool) -> Non
         )
 
 
-def one_copy_refusal(groups: LayerGroups, states: Sequence[StateLayer]) -> str | None:
-    """Why the one-copy modes cannot name this model's pages (None: they can)."""
+def one_copy_refusal(states: Sequence[StateLayer]) -> str | None:
+    """Why the one-copy modes cannot name this model's pages (None: they can; attention
+    layers of several KV cache groups, sliding window included, can)."""
     if states:
-        return "the model keeps recurrent state (Mamba / GDN / short-conv layers)"
-    return groups.one_copy_refusal
+        return (
+            "the model keeps recurrent state (Mamba / GDN / short-conv layers), which "
+            "moves in packed payloads"
+        )
+    return None
 
 
 def state_backoff(kv_cache_config: Any) -> int:

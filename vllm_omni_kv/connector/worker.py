@@ -225,7 +225,7 @@ class OmniKVWorker:
     def _export_pages(self) -> PageExport | None:
         """The one-copy export of this producer's cache, or None (packed payloads)."""
         assert self._region is not None
-        why = one_copy_refusal(self.groups, self.states)
+        why = one_copy_refusal(self.states)
         if why is None and not self.paged_blocks:
             why = "producer and consumer TP sizes differ (token-major payloads)"
         return export_pages(self._region, self.layers, self.cfg.backend_name, why)

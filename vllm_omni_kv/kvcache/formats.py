@@ -38,6 +38,8 @@ def plan_injection(
     layout: LayoutArg = None,
     pages: PageSource | None = None,
     verify: bool = True,
+    layer_ids: Sequence[Sequence[int]] | None = None,
+    layer_first: Sequence[int] | None = None,
 ) -> InjectionPlan:
     """The plan that writes tokens ``[start_token, num_tokens)`` of ``data`` into ``block_ids``.
 
@@ -46,19 +48,24 @@ def plan_injection(
     ``layout``: the local caches' layout identity (paged blocks), or a layout name
     (token-major: see ``normalize_layer_kv``). ``pages``: where a shared-pages payload's
     pages are copied from (the backend's cache region); ``verify``: check their digests.
+    ``layer_ids``/``layer_first``: each local layer's own table and first block to write
+    (a shared-pages payload into a cache of several KV cache groups).
     """
     if is_shared_payload(data):
         if not isinstance(layout, KVLayoutId):
             raise KVPayloadError("a shared-pages payload needs a paged cache's layout identity")
         first = start_token // max(1, layout.block_size)
-        return SharedPagesPlan(data, pages, list(kv_caches), layout, block_ids, first, verify)  # type: ignore[arg-type]
+        caches: list[Any] = list(kv_caches)
+        return SharedPagesPlan(
+            data, pages, caches, layout, block_ids, first, verify, layer_ids, layer_first
+        )
     meta = PayloadMeta.of(data)
     if meta.format == PAGED_BLOCKS:
         if start_token % meta.block_size:
             raise KVPayloadError(
                 f"start token {start_token} is not at a block boundary ({meta.block_size})"
             )
-        caches: list[Any] = list(kv_caches)
+        caches = list(kv_caches)
         return plan_block_injection(
             data, caches, block_ids, first_block=start_token // meta.block_size, layout=layout
         )

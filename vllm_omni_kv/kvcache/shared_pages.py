@@ -8,7 +8,8 @@ digest per page. The consumer rebuilds the producer's layer views over its mappi
 (every view is bounds-checked against the region first) and copies just the pages it
 lacks straight into its own cache: one copy, cache to cache.
 
-``metadata["shared"]`` holds ``{"region", "hold", "geometry", "sums"}``; the rest is
+``metadata["shared"]`` holds ``{"region", "hold", "geometry", "sums"}`` (and ``groups``
+for a model with several KV cache groups: :mod:`~vllm_omni_kv.kvcache.page_groups`); the rest is
 :class:`~vllm_omni_kv.kvcache.meta.PayloadMeta` with format ``shared_pages``.
 """
 
@@ -25,6 +26,14 @@ from vllm_omni_kv.errors import KVPayloadError
 from vllm_omni_kv.kvcache.cache_layout import KVLayoutId, check_view, dense_pages, page_view
 from vllm_omni_kv.kvcache.meta import SHARED_PAGES, PayloadMeta
 from vllm_omni_kv.kvcache.page_copy import STREAM_MIN_BYTES, copy_runs, pack_runs
+from vllm_omni_kv.kvcache.page_groups import (
+    GROUPS,
+    PageGroup,
+    build_groups,
+    check_sums,
+    groups_field,
+    parse_groups,
+)
 from vllm_omni_kv.wire.payload import KVCacheTransferData
 
 SHARED = "shared"
@@ -127,13 +136,26 @@ def describe_request(
     *,
     digests: bool,
     metadata: dict[str, Any] | None = None,
+    groups: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
 ) -> KVCacheTransferData:
     """The shared-pages payload of the blocks holding ``num_tokens`` tokens; ``shared``
-    carries ``region``, ``hold`` and ``geometry`` (the digests are added here)."""
+    carries ``region``, ``hold`` and ``geometry`` (the digests are added here).
+    ``groups``: per KV cache group, ``(its payload layer indices, its block table)`` (a
+    model with several groups: each group names the blocks it keeps,
+    :mod:`~vllm_omni_kv.kvcache.page_groups`); None: every layer ``block_ids``."""
     bs = ident.block_size
     needed = -(-int(num_tokens) // bs)
-    ids = [int(b) for b in block_ids][:needed]
     nblocks = int(caches[0].shape[0]) // ident.ratio
+    if groups is not None and needed > 0:
+        kept = build_groups(groups, needed, nblocks)
+        pages = [page_view(c, ident) for c in caches]
+        rows = {i: g.block_ids for g in kept for i in g.layers}
+        sums = [_page_digests(pv, rows[i]) for i, pv in enumerate(pages)] if digests else None
+        fields = {**shared, "sums": sums, GROUPS: groups_field(kept)}
+        meta = PayloadMeta(SHARED_PAGES, int(num_tokens), bs, needed * bs, len(caches), ident)
+        md = meta.to_dict(**(metadata or {}), **{SHARED: fields})
+        return KVCacheTransferData(request_id, {}, [], md)
+    ids = [int(b) for b in block_ids][:needed]
     if needed <= 0 or len(ids) < needed or min(ids) < 0 or max(ids) >= nblocks:
         raise KVPayloadError(
             f"request {request_id}: {num_tokens} tokens need {needed} blocks in [0, {nblocks}), "
@@ -151,28 +173,36 @@ def is_shared_payload(data: dict[str, Any] | None) -> bool:
 
 
 def shared_fields(data: dict[str, Any]) -> tuple[PayloadMeta, dict[str, Any], list[int]]:
-    """``(meta, the "shared" mapping, block ids)`` of a shared-pages payload, checked."""
+    """``(meta, the "shared" mapping, block ids)`` of a shared-pages payload, checked
+    (its groups too: the block ids are empty where it has groups)."""
+    meta, shared, ids, _groups = shared_groups(data)
+    return meta, shared, ids
+
+
+def shared_groups(
+    data: dict[str, Any],
+) -> tuple[PayloadMeta, dict[str, Any], list[int], list[PageGroup]]:
+    """:func:`shared_fields` and the payload's block groups (one without ``groups``)."""
     meta = PayloadMeta.of(data)
     md = data["metadata"]
     shared = md.get(SHARED)
     ids = data.get("block_ids")
     if not isinstance(shared, dict) or not isinstance(ids, list):
         raise KVPayloadError("shared-pages payload without its region or block ids")
-    if len(ids) != meta.num_blocks or not all(isinstance(b, int) and b >= 0 for b in ids):
-        raise KVPayloadError(f"shared-pages payload: {len(ids)} block ids for {meta.num_blocks}")
+    n = meta.num_blocks
+    grouped = shared.get(GROUPS) is not None
+    if grouped and n != -(-meta.num_tokens // meta.block_size):
+        raise KVPayloadError(f"shared-pages payload: {n} blocks for {meta.num_tokens} tokens")
+    if not grouped and (len(ids) != n or not all(isinstance(b, int) and b >= 0 for b in ids)):
+        raise KVPayloadError(f"shared-pages payload: {len(ids)} block ids for {n}")
     geometry = shared.get("geometry")
     if not isinstance(geometry, list) or len(geometry) != meta.num_layers:
         raise KVPayloadError(
             f"shared-pages payload: layer geometry for {meta.num_layers} layers expected"
         )
-    sums = shared.get("sums")
-    if sums is not None and (
-        not isinstance(sums, list)
-        or len(sums) != meta.num_layers
-        or any(not isinstance(s, list) or len(s) != len(ids) for s in sums)
-    ):
-        raise KVPayloadError("shared-pages payload: page digests do not match its blocks")
-    return meta, shared, ids
+    groups = parse_groups(shared, ids, meta.num_layers, n)
+    check_sums(shared.get("sums"), groups, meta.num_layers)
+    return meta, shared, ids, groups
 
 
 def page_runs(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int, int]]:

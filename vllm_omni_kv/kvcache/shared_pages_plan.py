@@ -9,7 +9,7 @@ payload's hold is taken.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
@@ -17,9 +17,12 @@ import torch
 
 from vllm_omni_kv.errors import KVPayloadError
 from vllm_omni_kv.kvcache.cache_layout import KVLayoutId, page_view
+from vllm_omni_kv.kvcache.layer_windows import LAYER_FIRST_BLOCKS
 from vllm_omni_kv.kvcache.meta import PAGED_BLOCKS
+from vllm_omni_kv.kvcache.page_groups import GROUPS as SHARED_GROUPS
+from vllm_omni_kv.kvcache.page_groups import group_copies
 from vllm_omni_kv.kvcache.paged_blocks import KV_BLOCKS
-from vllm_omni_kv.kvcache.shared_pages import SHARED, attach_layers, shared_fields
+from vllm_omni_kv.kvcache.shared_pages import SHARED, attach_layers, shared_groups
 from vllm_omni_kv.wire.stream import PayloadStream, Span
 
 
@@ -49,7 +52,11 @@ class PageSource(Protocol):
 
 
 class SharedPagesPlan:
-    """Copy tokens ``[first_block * block_size, num_tokens)`` of a shared-pages payload."""
+    """Copy tokens ``[first_block * block_size, num_tokens)`` of a shared-pages payload.
+
+    ``layer_ids``/``layer_first``: each local layer's own table and first block to write
+    (a model with several KV cache groups); the payload's groups
+    (:mod:`~vllm_omni_kv.kvcache.page_groups`) say which producer blocks each holds."""
 
     def __init__(
         self,
@@ -60,13 +67,15 @@ class SharedPagesPlan:
         block_ids: Sequence[int],
         first_block: int,
         verify: bool,
+        layer_ids: Sequence[Sequence[int]] | None = None,
+        layer_first: Sequence[int] | None = None,
     ) -> None:
         if source is None:
             raise KVPayloadError(
                 "received a shared-pages payload but this engine's backend exports no cache "
                 "region: configure both stages with the same backend"
             )
-        meta, self.shared, src_ids = shared_fields(payload)
+        meta, self.shared, _ids, groups = shared_groups(payload)
         if meta.kv_layout != ident:
             raise KVPayloadError(
                 f"shared pages of {meta.kv_layout.describe() if meta.kv_layout else '?'} cannot "
@@ -75,14 +84,21 @@ class SharedPagesPlan:
         if meta.num_layers != len(caches):
             raise KVPayloadError(f"payload has {meta.num_layers} layers, this engine {len(caches)}")
         n = meta.num_blocks
-        if len(block_ids) < n:
+        if len(block_ids) < n and layer_ids is None:
             raise KVPayloadError(f"payload spans {n} blocks, the request has {len(block_ids)}")
+        if not 0 <= first_block <= n:
+            raise KVPayloadError(f"first block {first_block} is outside the payload's {n} blocks")
         self.source, self.caches, self.ident = source, caches, ident
-        self.pairs = list(zip(src_ids[first_block:n], block_ids[first_block:n], strict=True))
-        self.first = first_block
+        self.copies = group_copies(groups, block_ids, first_block, n, layer_ids, layer_first)
+        self.whole = len(self.copies) == 1 and self.copies[0].layers == list(range(len(caches)))
         self.verify = verify
         self.tokens = max(0, meta.num_tokens - first_block * meta.block_size)
         self.moved = 0  # bytes copied (the frame itself moves none of them)
+
+    @property
+    def pairs(self) -> list[tuple[int, int]]:
+        """Every ``(producer page, local page)`` copied, over all groups."""
+        return [p for c in self.copies for p in c.pairs]
 
     def spans(self, frame_address: int | None) -> list[Span] | None:
         return []  # the frame carries no KV bytes
@@ -90,22 +106,32 @@ class SharedPagesPlan:
     def apply(
         self, stream: PayloadStream, deadline: float, cancel: threading.Event | None = None
     ) -> int:
-        if not self.pairs:
+        copies = [c for c in self.copies if c.pairs]
+        if not copies:
             self.source.release(str(self.shared.get("hold")))
             return self.tokens
+        geometry: list[Any] = self.shared["geometry"]  # checked: one entry per layer
+        sums: list[list[int]] | None = self.shared.get("sums") if self.verify else None
         with self.source.reading(self.shared.get("hold")):
-            self.moved = self.source.copy_into(
-                self.shared.get("region"),
-                self.shared.get("geometry"),
-                self.ident,
-                self.caches,
-                self.pairs,
-                self.shared.get("sums") if self.verify else None,
-                self.first,
-            )
+            for c in copies:
+                pick = (lambda rows: rows) if self.whole else _picker(c.layers)
+                self.moved += self.source.copy_into(
+                    self.shared.get("region"),
+                    pick(geometry),
+                    self.ident,
+                    pick(list(self.caches)),
+                    c.pairs,
+                    None if sums is None else pick(sums),
+                    c.first,
+                )
             if self.caches[0].device.type == "cuda":  # the blocks are read before the
                 torch.cuda.current_stream().synchronize()  # hold goes back
         return self.tokens
+
+
+def _picker(layers: list[int]) -> Callable[[list[Any]], list[Any]]:
+    """The rows of ``layers`` of a per-layer list."""
+    return lambda rows: [rows[i] for i in layers]
 
 
 #: torch dtypes of the identity's dtype names that are not torch attribute names
@@ -121,25 +147,32 @@ def materialize_pages(payload: dict[str, Any], source: PageSource | None) -> dic
             "received a shared-pages payload but this backend maps no producer's cache "
             "region: use the same backend settings on both stages"
         )
-    meta, shared, ids = shared_fields(payload)
+    meta, shared, _ids, groups = shared_groups(payload)
     ident = meta.kv_layout
     dtype = _FP8.get(ident.dtype) if ident is not None else None
     dtype = dtype or (getattr(torch, ident.dtype, None) if ident is not None else None)
     if ident is None or not isinstance(dtype, torch.dtype):
         raise KVPayloadError(f"shared-pages payload of an unknown KV dtype: {meta.kv_layout}")
+    of_layer = {i: g for g in groups for i in g.layers}
     with source.reading(shared.get("hold")):
         base = source.attach(shared.get("region"))
         views = attach_layers(base, shared.get("geometry"), ident, dtype)
-        index = torch.tensor(ids, dtype=torch.long)
         try:
-            pages = [page_view(v, ident).index_select(0, index) for v in views]
+            pages = [
+                page_view(v, ident).index_select(
+                    0, torch.tensor(of_layer[i].block_ids, dtype=torch.long)
+                )
+                for i, v in enumerate(views)
+            ]
         except (IndexError, RuntimeError) as e:
             raise KVPayloadError(f"shared-pages payload names pages outside its cache: {e}") from e
     md = {k: v for k, v in payload["metadata"].items() if k != SHARED}
     md["format"] = PAGED_BLOCKS
+    if SHARED_GROUPS in shared:  # each layer holds its group's blocks
+        md[LAYER_FIRST_BLOCKS] = [of_layer[i].first for i in range(len(views))]
     return {
         "request_id": payload.get("request_id"),
         "layer_blocks": {KV_BLOCKS: pages},
-        "block_ids": list(range(len(ids))),
+        "block_ids": list(range(meta.num_blocks)),
         "metadata": md,
     }
