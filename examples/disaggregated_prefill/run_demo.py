@@ -6,13 +6,12 @@
 1. writes the tiny demo model if it is missing (``.cache/tiny-models/demo-pd``);
 2. starts a producer (prefill) and a consumer (decode) ``vllm serve`` with the
    ``--kv-transfer-config`` files next to this script (``producer.json`` /
-   ``consumer.json``, or ``*.mooncake.json`` with ``--backend mooncake``), the
-   proxy (``proxy.py``) and, for the reference, one plain ``vllm serve`` (colocated
-   prefill + decode; the four start together), and waits until all are healthy;
+   ``consumer.json``, or ``*.mooncake.json`` with ``--backend mooncake``) and the
+   proxy (``proxy.py``), and waits until all three are healthy;
 3. sends completions and chat requests through the proxy and prints each answer
    with the consumer's time to first token and the KV bytes the connector moved;
-4. stops the P/D servers, runs the same prompts on the colocated server and checks
-   that every answer is token-identical;
+4. stops the P/D servers, runs the same prompts on one plain ``vllm serve``
+   (colocated prefill + decode) and checks that every answer is token-identical;
 5. stops every process it started, also on failure and on Ctrl-C.
 
 Server logs go to ``examples/disaggregated_prefill/out/`` (``--log-dir``). The exit
@@ -577,27 +576,30 @@ def _run(a: argparse.Namespace, n: int, sup: Supervisor, summary: dict[str, Any]
     for note in notes:
         print("  " + note)
 
-    # -- 1. start: producer + consumer + proxy, and the colocated reference beside them --
-    pp, cp, xp, port = free_port(), free_port(), free_port(), free_port()
-    print(f"starting producer :{pp}, consumer :{cp}, proxy :{xp}, colocated server :{port}")
+    # -- 1. disaggregated: producer + consumer + proxy --
+    pp, cp, xp = free_port(), free_port(), free_port()
+    print(f"starting producer :{pp}, consumer :{cp}, proxy :{xp}")
     prod = sup.start("producer", serve_cmd(model, pp, prod_cfg), f"http://127.0.0.1:{pp}")
     cons = sup.start("consumer", serve_cmd(model, cp, cons_cfg), f"http://127.0.0.1:{cp}")
-    colo = sup.start("colocated", serve_cmd(model, port, None), f"http://127.0.0.1:{port}")
     proxy_cmd = [
         sys.executable, str(HERE / "proxy.py"),
         "--host", "127.0.0.1", "--port", str(xp),
         "--prefill", prod.url, "--decode", cons.url,
     ]  # fmt: skip
     proxy = sup.start("proxy", proxy_cmd, f"http://127.0.0.1:{xp}")
-    wait_healthy([prod, cons, proxy, colo], a.timeout)
-
-    # -- 2. disaggregated through the proxy, then the same prompts colocated --
+    wait_healthy([prod, cons, proxy], a.timeout)
     print(f"P/D through the proxy (greedy, max_tokens={MAX_TOKENS}):")
     warm_up(proxy.url, "proxy")
     pd = run_pd(prompts, proxy, prod, cons)
     print("stopping the P/D servers", flush=True)
     sup.stop([proxy, cons, prod])
-    print("colocated (no kv-transfer-config):")
+
+    # -- 2. colocated: one plain server, same prompts --
+    port = free_port()
+    print(f"starting a colocated server (no kv-transfer-config) :{port}")
+    colo = sup.start("colocated", serve_cmd(model, port, None), f"http://127.0.0.1:{port}")
+    wait_healthy([colo], a.timeout)
+    print("colocated:")
     warm_up(colo.url, "colocated server")
     co = run_colocated(prompts, colo)
     sup.stop([colo])
