@@ -85,8 +85,9 @@ class Fixture:
 def fx(tiny_model_dir: Path) -> Fixture:
     groups = {
         # enough pulls (~45 MiB through a 6 MiB pool) that the kill lands mid-pull also when
-        # this process is slow to be scheduled on a loaded machine
-        "kill": [long_prompt(tiny_model_dir, 1800 + 7 * i, seed=40 + i) for i in range(12)],
+        # this process is slow to be scheduled on a loaded machine; seeds apart from the
+        # other groups', so the consumer's recompute of these caches none of their prefixes
+        "kill": [long_prompt(tiny_model_dir, 1800 + 7 * i, seed=140 + i) for i in range(12)],
         "wait": make_prompts(tiny_model_dir, 2, seed=50),
         "after": [long_prompt(tiny_model_dir, FOLLOW_UP_TOKENS, seed=51)],
         "shm_after": make_prompts(tiny_model_dir, 2, seed=52),
