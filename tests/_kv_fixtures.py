@@ -39,3 +39,48 @@ def head_shard(cache: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
     heads = cache.shape[1]
     per = heads // tp
     return cache[:, rank * per : (rank + 1) * per].contiguous()
+
+
+class GuardedLayers:
+    """Consumer layers in vLLM's CPU layout (``[nblocks, heads, bs, 2*dim]``, bf16) as views
+    into one buffer with ``guard`` bytes of a known pattern before, between and after them:
+    what a load wrote is found by comparing with the buffer as it was."""
+
+    def __init__(
+        self, layers: int, nblocks: int, heads: int, bs: int, dim: int, guard: int = 4096
+    ) -> None:
+        self.num_layers, self.nblocks, self.guard = layers, nblocks, guard
+        self.layer_bytes = nblocks * heads * bs * 2 * dim * 2
+        self.page = self.layer_bytes // nblocks
+        step = self.layer_bytes + guard
+        self.buf = torch.full((guard + layers * step,), 0x5A, dtype=torch.uint8)
+        self.caches = [
+            self.buf[guard + i * step :][: self.layer_bytes]
+            .view(torch.bfloat16)
+            .view(nblocks, heads, bs, 2 * dim)
+            for i in range(layers)
+        ]
+        self.before = self.buf.clone()
+
+    def spoiled_guards(self) -> list[int]:
+        """Indices of the guard areas that changed."""
+        step = self.layer_bytes + self.guard
+        return [
+            i
+            for i in range(self.num_layers + 1)
+            if not torch.equal(
+                self.buf[i * step : i * step + self.guard],
+                self.before[i * step : i * step + self.guard],
+            )
+        ]
+
+    def changed_pages(self) -> dict[tuple[int, int], torch.Tensor]:
+        """``(layer, block) -> page bytes`` of every page that changed."""
+        out = {}
+        for i in range(self.num_layers):
+            base = self.guard + i * (self.layer_bytes + self.guard)
+            for b in range(self.nblocks):
+                s = base + b * self.page
+                if not torch.equal(self.buf[s : s + self.page], self.before[s : s + self.page]):
+                    out[(i, b)] = self.buf[s : s + self.page].clone()
+        return out

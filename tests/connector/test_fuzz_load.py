@@ -31,7 +31,7 @@ import msgpack
 import pytest
 import torch
 from _frame_forge import header_paths, repack, split
-from _kv_fixtures import reference_kv
+from _kv_fixtures import GuardedLayers, reference_kv
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -157,35 +157,18 @@ def producer() -> Iterator[Producer]:
     assert not left, f"left in /dev/shm: {sorted(left)}"
 
 
-class Local:
-    """The consumer's layers as views into one buffer with guard bytes around each."""
+class Local(GuardedLayers):
+    """The consumer's layers, with guard bytes around each."""
 
     def __init__(self) -> None:
-        self.buf = torch.full((GUARD + LAYERS * (LAYER_BYTES + GUARD),), 0x5A, dtype=torch.uint8)
-        self.caches = [
-            self.buf[GUARD + i * (LAYER_BYTES + GUARD) :][:LAYER_BYTES]
-            .view(torch.bfloat16)
-            .view(NBLOCKS, HEADS, BS, 2 * DIM)
-            for i in range(LAYERS)
-        ]
-        self.before = self.buf.clone()
+        super().__init__(LAYERS, NBLOCKS, HEADS, BS, DIM, GUARD)
 
     def changed_outside_the_request(self) -> list[str]:
         """Guard bytes or blocks other than ``DST_IDS`` that differ from before."""
-        out = []
-        now, was = self.buf, self.before
-        for i in range(LAYERS + 1):
-            at = i * (LAYER_BYTES + GUARD)
-            if not torch.equal(now[at : at + GUARD], was[at : at + GUARD]):
-                out.append(f"guard {i}")
-        block = LAYER_BYTES // NBLOCKS
-        for i in range(LAYERS):
-            base = GUARD + i * (LAYER_BYTES + GUARD)
-            for b in set(range(NBLOCKS)) - set(DST_IDS):
-                s = base + b * block
-                if not torch.equal(now[s : s + block], was[s : s + block]):
-                    out.append(f"layer {i} block {b}")
-        return out
+        out = [f"guard {i}" for i in self.spoiled_guards()]
+        return out + [
+            f"layer {i} block {b}" for i, b in sorted(self.changed_pages()) if b not in DST_IDS
+        ]
 
 
 def load(buf: bytearray, producer: Producer, local: Local, start: int) -> int:

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from _kv_fixtures import GuardedLayers
 
 from vllm_omni_kv.backends.shm import arena
 from vllm_omni_kv.backends.shm.cache_region import ShmCacheRegion
@@ -115,33 +116,17 @@ def producer() -> Iterator[Producer]:
     assert not left, f"left in /dev/shm: {sorted(left)}"
 
 
-class Local:
-    """The consumer's layers as views into one buffer with guard bytes around each."""
+class Local(GuardedLayers):
+    """The consumer's layers (grouped as the engine's), with guard bytes around each."""
 
     def __init__(self) -> None:
-        self.buf = torch.full((GUARD + LAYERS * (LAYER_BYTES + GUARD),), 0x5A, dtype=torch.uint8)
-        caches = {
-            f"layer{i}": self.buf[GUARD + i * (LAYER_BYTES + GUARD) :][:LAYER_BYTES]
-            .view(torch.bfloat16)
-            .view(NBLOCKS, HEADS, BS, 2 * DIM)
-            for i in range(LAYERS)
-        }
-        self.layers = _grouped(caches)
-        self.before = self.buf.clone()
+        super().__init__(LAYERS, NBLOCKS, HEADS, BS, DIM, GUARD)
+        self.layers = _grouped({f"layer{i}": c for i, c in enumerate(self.caches)})
 
     def written(self) -> dict[tuple[int, int], torch.Tensor]:
         """``(layer, block) -> page`` of every block that changed; guards must not."""
-        for i in range(LAYERS + 1):
-            at = i * (LAYER_BYTES + GUARD)
-            assert torch.equal(self.buf[at : at + GUARD], self.before[at : at + GUARD])
-        out = {}
-        for i in range(LAYERS):
-            base = GUARD + i * (LAYER_BYTES + GUARD)
-            for b in range(NBLOCKS):
-                s = base + b * PAGE
-                if not torch.equal(self.buf[s : s + PAGE], self.before[s : s + PAGE]):
-                    out[(i, b)] = self.buf[s : s + PAGE].clone()
-        return out
+        assert self.spoiled_guards() == []
+        return self.changed_pages()
 
 
 def _load(p: Producer, local: Local, payload: Any, hit: int = 0, tables: Any = None) -> int:
