@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
 import torch
 
 LAYERS, HEADS, BS, DIM, NBLOCKS = 3, 4, 32, 64, 12
@@ -84,3 +91,31 @@ class GuardedLayers:
                 if not torch.equal(self.buf[s : s + self.page], self.before[s : s + self.page]):
                     out[(i, b)] = self.buf[s : s + self.page].clone()
         return out
+
+
+def load_and_wait(consumer: Any, load: Any, timeout: float = 20.0) -> Any:
+    """Start ``load`` on a connector worker half, wait until vLLM would see it finished,
+    and return the worker's metadata of the step (``AssertionError`` on a timeout)."""
+    from vllm_omni_kv.connector.metadata import OmniKVConnectorMetadata
+
+    consumer.start_load_kv(OmniKVConnectorMetadata(loads=[load]))
+    deadline, done = time.monotonic() + timeout, set()
+    while load.req_id not in done and time.monotonic() < deadline:
+        done |= consumer.get_transfer_results(set())[1]
+        time.sleep(0.002)
+    assert load.req_id in done, "the load did not finish"
+    return consumer.take_worker_meta()
+
+
+@contextlib.contextmanager
+def shm_namespace(prefix: str) -> Iterator[str]:
+    """A fresh shared-memory namespace; on exit, every file left in it is removed and the
+    test fails naming them."""
+    from vllm_omni_kv.backends.shm import arena
+
+    ns = f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    yield ns
+    left = arena.namespace_files(ns)
+    for n in left:
+        arena.unlink_quiet(n)
+    assert not left, f"left in /dev/shm: {sorted(left)}"

@@ -23,7 +23,6 @@ import copy
 import math
 import os
 import time
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,7 +30,7 @@ import msgpack
 import pytest
 import torch
 from _frame_forge import header_paths, repack, split
-from _kv_fixtures import GuardedLayers, reference_kv
+from _kv_fixtures import GuardedLayers, reference_kv, shm_namespace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -147,14 +146,10 @@ class Producer:
 
 @pytest.fixture(scope="module")
 def producer() -> Iterator[Producer]:
-    ns = f"fz-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    p = Producer(ns)
-    yield p
-    p.close()
-    left = arena.namespace_files(ns)
-    for n in left:
-        arena.unlink_quiet(n)
-    assert not left, f"left in /dev/shm: {sorted(left)}"
+    with shm_namespace("fz") as ns:
+        p = Producer(ns)
+        yield p
+        p.close()
 
 
 class Local(GuardedLayers):

@@ -9,7 +9,6 @@ after ``n`` tokens a window of ``w`` keeps blocks from ``(n - w + 1) // block_si
 from __future__ import annotations
 
 import os
-import time
 import uuid
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -17,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from _kv_fixtures import load_and_wait
 
 from vllm_omni_kv.connector.config import parse_omni_kv_config
 from vllm_omni_kv.connector.engine_layout import EngineLayout
@@ -99,13 +99,7 @@ def _transfer(
         save = SaveSpec("req", "tid", SAVE[0], SEQ, DIGEST, group_block_ids=SAVE)
         producer.wait_for_save(OmniKVConnectorMetadata(saves=[save]))
         load = LoadSpec("req", "tid", DST[0], local, SEQ - local, SEQ, DIGEST, group_block_ids=DST)
-        consumer.start_load_kv(OmniKVConnectorMetadata(loads=[load]))
-        deadline, done = time.monotonic() + 20, set()
-        while "req" not in done and time.monotonic() < deadline:
-            done |= consumer.get_transfer_results(set())[1]
-            time.sleep(0.002)
-        assert "req" in done, "the load did not finish"
-        meta = consumer.take_worker_meta()
+        meta = load_and_wait(consumer, load)
         assert meta is not None and not consumer.take_invalid_block_ids()
         producer.get_transfer_results({"req"})
         return meta.loads["req"], ref, cc

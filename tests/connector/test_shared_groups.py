@@ -12,7 +12,6 @@ it was.
 from __future__ import annotations
 
 import copy
-import os
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -20,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from _kv_fixtures import GuardedLayers
+from _kv_fixtures import GuardedLayers, shm_namespace
 
 from vllm_omni_kv.backends.shm import arena
 from vllm_omni_kv.backends.shm.cache_region import ShmCacheRegion
@@ -106,14 +105,10 @@ def _grouped(caches: dict[str, torch.Tensor]) -> list[LayerCache]:
 
 @pytest.fixture(scope="module")
 def producer() -> Iterator[Producer]:
-    ns = f"sg-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    p = Producer(ns)
-    yield p
-    p.close()
-    left = arena.namespace_files(ns)
-    for n in left:
-        arena.unlink_quiet(n)
-    assert not left, f"left in /dev/shm: {sorted(left)}"
+    with shm_namespace("sg") as ns:
+        p = Producer(ns)
+        yield p
+        p.close()
 
 
 class Local(GuardedLayers):

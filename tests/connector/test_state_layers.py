@@ -9,7 +9,6 @@ References: vLLM's rule that the state after ``T`` tokens lives in block
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -17,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from _kv_fixtures import load_and_wait
 
 pytest.importorskip("vllm")
 
@@ -128,13 +128,7 @@ def _transfer(ns: str, src: KVCacheConfig, dst: KVCacheConfig, dst_conv: str = "
         save = SaveSpec("req", "tid", SRC[2], SEQ, DIGEST, group_block_ids=SRC)
         producer.wait_for_save(OmniKVConnectorMetadata(saves=[save]))
         load = LoadSpec("req", "tid", DST[2], 0, SEQ, SEQ, DIGEST, group_block_ids=DST)
-        consumer.start_load_kv(OmniKVConnectorMetadata(loads=[load]))
-        deadline, done = time.monotonic() + 20, set()
-        while "req" not in done and time.monotonic() < deadline:
-            done |= consumer.get_transfer_results(set())[1]
-            time.sleep(0.002)
-        assert "req" in done, "the load did not finish"
-        meta = consumer.take_worker_meta()
+        meta = load_and_wait(consumer, load)
         assert meta is not None
         producer.get_transfer_results({"req"})
         return meta.loads["req"], ref, pc, cc
