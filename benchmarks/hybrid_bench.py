@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import tempfile
 import time
@@ -42,45 +41,37 @@ def write_model(
     out: Path, layers: int, window: int, kv_heads: int, head_dim: int, dtype: str
 ) -> Path:
     """A random Gemma 3 text model (``layers - 1`` sliding layers then one global) with the
-    package's tiny tokenizer; written once into a temporary directory renamed into place."""
-    if (out / ".done").exists():
-        return out
+    package's tiny tokenizer, written once (:func:`vllm_omni_kv.tiny_model.write_model_dir`)."""
     import torch
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    from vllm_omni_kv.tiny_model import write_tiny_model
+    from vllm_omni_kv.tiny_model import write_model_dir, write_tiny_model
 
-    kinds = ["sliding_attention"] * (layers - 1) + ["full_attention"]
-    cfg = Gemma3TextConfig(
-        vocab_size=2048,
-        hidden_size=512,
-        intermediate_size=1024,
-        num_hidden_layers=layers,
-        num_attention_heads=2 * kv_heads,
-        num_key_value_heads=kv_heads,
-        head_dim=head_dim,
-        query_pre_attn_scalar=head_dim,
-        sliding_window=window,
-        layer_types=kinds,
-        max_position_embeddings=8192,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    model = Gemma3ForCausalLM(cfg).to(getattr(torch, dtype))  # type: ignore[arg-type]
-    model.config.architectures = ["Gemma3ForCausalLM"]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    model.save_pretrained(str(tmp), safe_serialization=True)
-    llama = write_tiny_model(out.parent / "hybrid-bench-tokenizer")
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(llama / name, tmp / name)
-    (tmp / ".done").write_text("")
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return out
+    def build(tmp: Path) -> None:
+        kinds = ["sliding_attention"] * (layers - 1) + ["full_attention"]
+        cfg = Gemma3TextConfig(
+            vocab_size=2048,
+            hidden_size=512,
+            intermediate_size=1024,
+            num_hidden_layers=layers,
+            num_attention_heads=2 * kv_heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            query_pre_attn_scalar=head_dim,
+            sliding_window=window,
+            layer_types=kinds,
+            max_position_embeddings=8192,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=2,
+            tie_word_embeddings=True,
+        )
+        torch.manual_seed(0)
+        model = Gemma3ForCausalLM(cfg).to(getattr(torch, dtype))  # type: ignore[arg-type]
+        model.config.architectures = ["Gemma3ForCausalLM"]
+        model.save_pretrained(str(tmp), safe_serialization=True)
+
+    return write_model_dir(out, build, write_tiny_model(out.parent / "hybrid-bench-tokenizer"))
 
 
 def expected_bytes(lengths: list[int], layers: int, window: int, page: int, hma: bool) -> int:

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from vllm_omni_kv.tiny_model import TinyModelSpec, write_tiny_model
+from vllm_omni_kv.tiny_model import TinyModelSpec, write_model_dir, write_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL_CACHE = Path(os.environ.get("OMNIKV_MODEL_CACHE", REPO / ".cache" / "tiny-models"))
@@ -27,66 +27,39 @@ GEMMA3_LAYERS = ("sliding_attention",) * 3 + ("full_attention",)
 def tiny_gemma3() -> Path:
     """A tiny random Gemma 3 (text-only, built with ``transformers``) with the tiny Llama's
     tokenizer: 4 layers, 2 KV heads of 64, float32; generated once into the cache."""
-    import shutil
-
     import torch
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    out = MODEL_CACHE / "gemma3-tiny-v1"
-    if (out / ".done").exists():
-        return out
-    cfg = Gemma3TextConfig(
-        vocab_size=2048,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=len(GEMMA3_LAYERS),
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        query_pre_attn_scalar=64,
-        sliding_window=GEMMA3_WINDOW,
-        layer_types=list(GEMMA3_LAYERS),
-        max_position_embeddings=4096,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    model = Gemma3ForCausalLM(cfg).to(torch.float32)
-    model.config.architectures = ["Gemma3ForCausalLM"]
-    model.save_pretrained(str(out), safe_serialization=True)
-    llama = tiny_model()
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(llama / name, out / name)
-    (out / ".done").write_text("")
-    return out
+    def build(tmp: Path) -> None:
+        cfg = Gemma3TextConfig(
+            vocab_size=2048,
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=len(GEMMA3_LAYERS),
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            query_pre_attn_scalar=64,
+            sliding_window=GEMMA3_WINDOW,
+            layer_types=list(GEMMA3_LAYERS),
+            max_position_embeddings=4096,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=2,
+            tie_word_embeddings=True,
+        )
+        torch.manual_seed(0)
+        model = Gemma3ForCausalLM(cfg).to(torch.float32)
+        model.config.architectures = ["Gemma3ForCausalLM"]
+        model.save_pretrained(str(tmp), safe_serialization=True)
+
+    return _write_atomic(MODEL_CACHE / "gemma3-tiny-v1", build)
 
 
 def _write_atomic(out: Path, build: Any) -> Path:
-    """Build a model into a temporary sibling of ``out`` with ``build(dir)``, add the tiny
-    Llama's tokenizer and rename it into place (a half-written model is never seen)."""
-    import shutil
-    import tempfile
-
-    if (out / ".done").exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    try:
-        build(tmp)
-        llama = tiny_model()
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-            shutil.copy(llama / name, tmp / name)
-        (tmp / ".done").write_text("")
-        try:
-            tmp.rename(out)
-        except OSError:  # another process finished first
-            if not (out / ".done").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    """A model built by ``build(dir)`` at ``out`` with the tiny Llama's tokenizer, written
+    once and renamed into place (:func:`vllm_omni_kv.tiny_model.write_model_dir`)."""
+    return write_model_dir(out, build, tiny_model())
 
 
 #: the tiny Qwen3-Next's layers: gated delta net (linear attention) on 0-2, full attention on 3

@@ -15,6 +15,7 @@ import os
 import random
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -186,6 +187,32 @@ def _write_files(out: Path, spec: TinyModelSpec) -> None:
     (out / ".tiny_model.json").write_text(
         json.dumps({"fingerprint": spec.fingerprint(), "spec": asdict(spec)})
     )
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def write_model_dir(out: Path, build: Callable[[Path], None], tokenizer_from: Path) -> Path:
+    """A model directory at ``out``, written once: ``build(dir)`` writes the model into a
+    temporary sibling, the tokenizer files of ``tokenizer_from`` are added, and the
+    directory is renamed into place (a half-written model is never seen)."""
+    if (out / ".done").exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        build(tmp)
+        for name in TOKENIZER_FILES:
+            shutil.copy(tokenizer_from / name, tmp / name)
+        (tmp / ".done").write_text("")
+        try:
+            tmp.rename(out)
+        except OSError:  # another process finished first
+            if not (out / ".done").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
 
 
 #: CPU flags with native bfloat16 matrix multiplies (without them torch emulates bf16 matmuls,
