@@ -3,7 +3,7 @@ producer's KV cache (``share_cache``), beside a memcpy of the same bytes and the
 shared-memory move, all measured in the same run.
 
     python benchmarks/one_copy_bench.py            # 1..256 MiB, writes results/one_copy_bench.{json,png}
-    python benchmarks/one_copy_bench.py --quick    # 1 and 4 MiB, for smoke tests
+    python benchmarks/one_copy_bench.py --quick    # 4 MiB only, for smoke tests
 
 KV shape and method as ``transfer_bench.py`` (8 layers x 8 KV heads x head 128, bf16, vLLM's
 CPU paged layout allocated inside ``get_mem_pool_context`` as vLLM does, block size 32,
@@ -472,14 +472,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sizes", type=int, nargs="+", default=[1, 4, 16, 64, 256])
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--trials", type=int, default=3)
-    ap.add_argument("--quick", action="store_true", help="1 and 4 MiB, 3 repeats, 1 trial")
+    ap.add_argument("--quick", action="store_true", help="4 MiB, 3 repeats, 1 trial")
     ap.add_argument("--out", type=Path, default=RESULTS / "one_copy_bench.json")
     ap.add_argument("--plot-only", action="store_true", help="redraw the PNG from the JSON")
     a = ap.parse_args(argv)
     if a.plot_only:
         plot(json.loads(a.out.read_text())["rows"], a.out.with_suffix(".png"))
         return
-    sizes, repeats, trials = ([1, 4], 3, 1) if a.quick else (a.sizes, a.repeats, a.trials)
+    sizes, repeats, trials = ([4], 3, 1) if a.quick else (a.sizes, a.repeats, a.trials)
     torch.set_num_threads(1)
     load_before = os.getloadavg()
     rows: list[dict[str, Any]] = []

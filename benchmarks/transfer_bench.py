@@ -3,7 +3,7 @@ through the shared-memory backend across two processes, beside a plain memcpy of
 bytes measured in the same run (the physical limit of this machine).
 
     python benchmarks/transfer_bench.py            # 1..256 MiB, writes results/transfer_bench.{json,png}
-    python benchmarks/transfer_bench.py --quick    # 1 and 4 MiB, for smoke tests
+    python benchmarks/transfer_bench.py --quick    # 4 MiB only, for smoke tests
 
 The KV shape is realistic: 8 layers x 8 KV heads x head size 128, bf16, vLLM 0.32's CPU
 paged layout with block size 32 and shuffled block ids; the consumer injects into its own
@@ -424,7 +424,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sizes", type=int, nargs="+", default=[1, 4, 16, 64, 256])
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--trials", type=int, default=3, help="rounds of the shm moves per size")
-    ap.add_argument("--quick", action="store_true", help="1 and 4 MiB, 3 repeats, 1 trial")
+    ap.add_argument("--quick", action="store_true", help="4 MiB, 3 repeats, 1 trial")
     ap.add_argument("--no-mooncake", action="store_true")
     ap.add_argument("--out", type=Path, default=RESULTS / "transfer_bench.json")
     ap.add_argument("--plot-only", action="store_true", help="redraw the PNG from an existing JSON")
@@ -432,7 +432,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.plot_only:
         plot(json.loads(a.out.read_text())["rows"], a.out.with_suffix(".png"))
         return
-    sizes, repeats, trials = ([1, 4], 3, 1) if a.quick else (a.sizes, a.repeats, a.trials)
+    sizes, repeats, trials = ([4], 3, 1) if a.quick else (a.sizes, a.repeats, a.trials)
     rows = run(sizes, repeats, trials)
     if not a.no_mooncake:
         rows += _extra_backends(sizes, repeats)

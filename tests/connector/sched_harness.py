@@ -4,7 +4,10 @@ one thread.
 Each :class:`Engine` is vLLM 0.32's ``Scheduler`` (block allocation, prefix cache,
 async loads, delayed frees, preemption: vLLM's code) with ``OmniKVConnector`` as its
 connector, plus the connector's worker half over host caches in vLLM's CPU layout,
-stepped through V1's ``KVConnectorModelRunnerMixin`` sequence. The forward pass writes
+stepped through V1's ``KVConnectorModelRunnerMixin`` sequence (``runner="v1"``) or the V2
+model runner's ``ActiveKVConnector`` (``runner="v2"``: vLLM's default on CUDA; it registers
+the caches, binds metadata in ``pre_forward`` and starts loads after the forward in
+``post_forward``, with no attention metadata). The forward pass writes
 nothing: the caches start random, so after a transfer the consumer's blocks must hold
 exactly the producer's bytes (compared token by token with the independent extraction
 of ``_kv_fixtures.reference_kv``). Transfers use the real shm backend in their own
@@ -19,6 +22,7 @@ groups alias one tensor each (layers 0 and 1, layers 2 and 3), over a shared poo
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -48,9 +52,11 @@ from vllm.v1.kv_cache_interface import (
     KVCacheGroupSpec,
     SlidingWindowSpec,
 )
-from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
+from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
+from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
 from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 
 from vllm_omni_kv.connector.omni_kv_connector import OmniKVConnector
@@ -61,6 +67,8 @@ HYBRID_BLOCKS = 40
 HYBRID_LAYERS = 4
 #: the hybrid cache's layers: KV cache group 0 (sliding window), group 1 (full)
 SLIDING, FULL = (0, 2), (1, 3)
+#: the model runners' connector call sequences (vLLM 0.32: V2 is the CUDA default)
+RUNNERS = ["v1", "v2"]
 
 
 def _name(i: int) -> str:
@@ -130,7 +138,14 @@ class Engine:
     """One engine: vLLM's scheduler and the connector's worker half over host caches."""
 
     def __init__(
-        self, model_dir: Path, role: str, ns: str, seed: int, hybrid: bool = False, **extra: Any
+        self,
+        model_dir: Path,
+        role: str,
+        ns: str,
+        seed: int,
+        hybrid: bool = False,
+        runner: str = "v1",
+        **extra: Any,
     ) -> None:
         kv_config = kv_cache_config(hybrid)
         self.nblocks = kv_config.num_blocks
@@ -153,7 +168,13 @@ class Engine:
         self.hasher = get_request_block_hasher(BS, hash_fn)
         self.worker = OmniKVConnector(self.config, KVConnectorRole.WORKER, kv_config)
         self.caches = self._allocate(names, tensor_of, seed)
-        self.worker.register_kv_caches(self.caches)
+        self.active: ActiveKVConnector | None = None
+        if runner == "v2":  # V2's runner registers the caches through ActiveKVConnector
+            with agent(self.worker):
+                self.active = ActiveKVConnector(self.config, self.caches)
+            self.buffers = InputBuffers(16, 4096, torch.device("cpu"))
+        else:
+            self.worker.register_kv_caches(self.caches)
         self.blocks: dict[str, list[int]] = {}  # each request's block table, last seen
         self.tables: dict[str, list[list[int]]] = {}  # ... of every KV cache group
         self.finished: dict[str, dict[str, Any] | None] = {}  # kv_transfer_params out
@@ -193,7 +214,9 @@ class Engine:
                 self.tables[rid] = [list(t) for t in tables]
                 self.blocks[rid] = self.tables[rid][0]
         with agent(self.worker):
-            if so.total_num_scheduled_tokens == 0:
+            if so.total_num_scheduled_tokens == 0 and self.active is not None:
+                out = self.active.no_forward(so)
+            elif so.total_num_scheduled_tokens == 0:
                 out = KVConnectorModelRunnerMixin.kv_connector_no_forward(so, self.config)
             else:
                 out = self._forward(so)
@@ -208,15 +231,28 @@ class Engine:
                     self.reasons[o.request_id] = o.finish_reason
         return so
 
-    def _forward(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        self.worker.handle_preemptions(so.kv_connector_metadata)
+    def _connector_output(self, so: SchedulerOutput) -> KVConnectorOutput | None:
+        """The connector calls of a step with a forward pass, which writes nothing."""
         attn = {name: object() for name in self.caches}
+        n = so.total_num_scheduled_tokens
         ids = list(so.num_scheduled_tokens)
-        with (
-            set_forward_context(attn, self.config, num_tokens=so.total_num_scheduled_tokens),
-            KVConnectorModelRunnerMixin.maybe_get_kv_connector_output(so) as kv_out,
-        ):
-            pass  # the forward pass: the caches keep their bytes
+        if self.active is None:  # V1: preemptions first, the output context in the forward's
+            self.worker.handle_preemptions(so.kv_connector_metadata)
+            with (
+                set_forward_context(attn, self.config, num_tokens=n),
+                KVConnectorModelRunnerMixin.maybe_get_kv_connector_output(so) as kv_out,
+            ):
+                pass
+            return kv_out
+        batch = InputBatch.make_dummy(len(ids), n, self.buffers)
+        with set_forward_context(attn, self.config, num_tokens=n):  # V2 (eager)
+            self.active.pre_forward(so, dataclasses.replace(batch, req_ids=ids))
+        self.active.finish_forward()
+        return self.active.post_forward(so.finished_req_ids)
+
+    def _forward(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        ids = list(so.num_scheduled_tokens)
+        kv_out = self._connector_output(so)
         sampled = []
         for rid in ids:
             req = self.sched.requests[rid]

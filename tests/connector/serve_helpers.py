@@ -16,8 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import requests
-from pd_helpers import LOG_DIR, SERVE_NAMESPACE, sweep_dead_segments
+from pd_helpers import LOG_DIR, PRELOAD, SERVE_NAMESPACE, sweep_dead_segments
 
+from vllm_omni_kv.testing import engine_zygote
+from vllm_omni_kv.testing.engine_proc import engine_env
+from vllm_omni_kv.testing.forked_process import ForkedProcess
 from vllm_omni_kv.testing.net import free_port
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "disaggregated_prefill"
@@ -45,15 +48,30 @@ def ktc(role: str, backend: str, backend_extra: dict[str, Any], **cfg: Any) -> s
     )
 
 
-def _start(cmd: list[str], name: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
+Proc = subprocess.Popen[bytes] | ForkedProcess
+
+
+def _start(cmd: list[str], name: str, env: dict[str, str]) -> Proc:
+    """``cmd`` in its own process group, its output in ``LOG_DIR/name.log``. A ``vllm serve``
+    whose environment agrees with the test engines' preloaded interpreter on what imports
+    read is forked from it (``engine_zygote.spawn_main``: no vLLM import per server);
+    others, and every server with ``OMNIKV_TEST_PRELOAD=0``, start fresh."""
     LOG_DIR.mkdir(parents=True, exist_ok=True)
-    with open(LOG_DIR / f"{name}.log", "wb") as f:
+    log = LOG_DIR / f"{name}.log"
+    if PRELOAD and cmd[: len(SERVE)] == SERVE:
+        log.write_bytes(b"")
+        zygote_log = LOG_DIR / f"zygote-{os.getpid()}.log"
+        zygote_env = engine_env({"in_process": True})
+        forked = engine_zygote.spawn_main(cmd[2:], env, os.getcwd(), log, zygote_env, zygote_log)
+        if forked is not None:
+            return forked
+    with open(log, "wb") as f:
         return subprocess.Popen(
             cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
+def _stop(proc: Proc) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGTERM)
     with contextlib.suppress(subprocess.TimeoutExpired):
@@ -63,7 +81,7 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
     proc.wait(timeout=30)
 
 
-def _wait_healthy(url: str, procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
+def _wait_healthy(url: str, procs: list[Proc], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         dead = [p.args for p in procs if p.poll() is not None]
@@ -96,7 +114,7 @@ def serve_pd(
     if worker_in_core:
         env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1")
         common += ["--distributed-executor-backend", "uni"]
-    procs: list[subprocess.Popen[bytes]] = []
+    procs: list[Proc] = []
     try:
         for role, port, cfg in (("p", pp, producer), ("d", dp, consumer)):
             cmd = [*SERVE, *common, "--port", str(port), "--kv-transfer-config", cfg]
@@ -164,7 +182,7 @@ def example_servers(model_dir: Path) -> Iterator[Servers]:
         "--model", str(model_dir), "--dtype", "float32", "--max-model-len", "2048",
         "--block-size", "32", "--enforce-eager", "--seed", "0",
     ]  # fmt: skip
-    procs: list[subprocess.Popen[bytes]] = []
+    procs: list[Proc] = []
     try:
         for role, port, cfg in (
             ("producer", pp, example_ktc("producer.json", send_ttl=EXAMPLE_SEND_TTL)),

@@ -4,7 +4,6 @@ processes, real Mooncake TE over loopback)."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -13,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from _mp import CTX
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from vllm_omni_kv import KVCacheTransferData, SharedMemoryConnector
@@ -23,7 +23,6 @@ from vllm_omni_kv.connector.omni_kv_connector import OmniKVConnector
 from vllm_omni_kv.connector.stats import OmniKVConnectorStats
 from vllm_omni_kv.transfer.session import SessionPolicy, TransferSession
 
-CTX = mp.get_context("spawn")
 TTL = 1.0  # send_ttl of these tests
 WAIT = 60.0
 

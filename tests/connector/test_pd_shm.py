@@ -14,7 +14,6 @@ The producer is killed by the last test.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import struct
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _mp import CTX
 from pd_helpers import (
     NAMESPACE,
     SMALL_CACHE_BLOCKS,
@@ -44,7 +44,6 @@ from vllm_omni_kv.backends.shm.inventory import ShmInventory, inventory
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-CTX = mp.get_context("spawn")
 RECV_TIMEOUT = 4.0
 #: recompute + 16 decode steps of a few prompts on 2 CPU cores, and engine jitter
 MARGIN = 15.0

@@ -1,6 +1,7 @@
 """P/D of hybrid models with recurrent-state layers, vLLM's defaults (hybrid KV cache
-manager, prefix caching in "align" mode): one pair of in-process engines per model
-over shared memory.
+manager, prefix caching in "align" mode): one pair of in-process engines per model and
+transport: both models over shared memory, Qwen3-Next also over Mooncake's Transfer Engine
+(TCP) and NIXL (UCX), each where its wheel imports.
 
 Models (``tests/_models``): a tiny random Qwen3-Next (3 gated-delta-net layers, one
 full-attention layer, float32) and a tiny random GraniteMoeHybrid (Granite 4.0-H: 3
@@ -17,6 +18,7 @@ local hit (nothing moves); a prompt sharing a cached prefix loads only what foll
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import time
 from collections.abc import Iterator
@@ -31,9 +33,12 @@ pytest.importorskip("vllm")
 from _models import tiny_granite_hybrid, tiny_qwen3_next  # noqa: E402
 from pd_helpers import EngineProc, engine_cfg, engines, long_prompt, make_prompts, omni_ktc  # noqa: E402
 
+from vllm_omni_kv.testing.net import free_port  # noqa: E402
+
 REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False}
-#: bytes of a frame besides its pages (header, digests): a load's bytes minus its pages
-FRAME_OVERHEAD = 16384
+#: bytes of a frame besides its pages (header, digests: 16.0-16.1 KiB for these prompts over
+#: shm, Mooncake and NIXL), far below one more page (the smallest here: a 67,840-byte state page)
+FRAME_OVERHEAD = 24576
 #: a reference step whose two best logprobs are this close is a near tie: the consumer's
 #: kernels (its last prompt token runs as a one-token step from the loaded state, the
 #: reference's inside a chunk) round differently in bfloat16 (measured: up to 0.008 apart)
@@ -80,6 +85,50 @@ MODELS = {
 }
 
 
+#: the pull transports' pool and the seconds a consumer waits (TCP reads may retry)
+POOL = 64 << 20
+RECV_TIMEOUT = 15.0
+#: (model, transport) pairs: both models over shared memory, Qwen3-Next over the pull
+#: transports (the state pages travel in the same packed frame on every transport)
+PAIRS = [
+    ("qwen3_next", "shm"),
+    ("granite", "shm"),
+    pytest.param(
+        ("qwen3_next", "mooncake"),
+        marks=pytest.mark.skipif(
+            importlib.util.find_spec("mooncake") is None, reason="no Mooncake wheel"
+        ),
+        id="qwen3_next-mooncake",
+    ),
+    pytest.param(
+        ("qwen3_next", "nixl"),
+        marks=pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="no NIXL wheel"),
+        id="qwen3_next-nixl",
+    ),
+]
+
+
+def _ktcs(transport: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The producer's and the consumer's ``kv_transfer_config`` over ``transport``."""
+    if transport == "shm":
+        return omni_ktc("kv_producer"), omni_ktc("kv_consumer")
+    common: dict[str, Any] = {"host": "127.0.0.1", "memory_pool_size": POOL}
+    if transport == "mooncake":
+        common["protocol"] = "tcp"
+    prod = omni_ktc(
+        "kv_producer",
+        backend=transport,
+        backend_extra={**common, "role": "sender", "zmq_port": free_port()},
+    )
+    cons = omni_ktc(
+        "kv_consumer",
+        backend=transport,
+        recv_timeout=RECV_TIMEOUT,
+        backend_extra={**common, "role": "receiver", "side_channel_timeout_s": 1.0},
+    )
+    return prod, cons
+
+
 @dataclass
 class Pair:
     model: Hybrid
@@ -89,17 +138,19 @@ class Pair:
     started_s: float
 
 
-@pytest.fixture(scope="module", params=list(MODELS))
+@pytest.fixture(scope="module", params=PAIRS, ids=lambda p: "-".join(p))
 def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
-    model = MODELS[request.param]
+    name, transport = request.param
+    model = MODELS[name]
     path = model.build()
+    prod_ktc, cons_ktc = _ktcs(transport)
     t0 = time.monotonic()
     # vLLM picks the block size of a model with state layers (None: its default)
     kw = {"block_size": None, "max_model_len": 1024, "dtype": model.dtype,
           "mamba_ssm_cache_dtype": "float32", "enable_prefix_caching": model.prefix_caching}  # fmt: skip
     with engines(
-        (f"{request.param}-producer", engine_cfg(path, omni_ktc("kv_producer"), **kw)),
-        (f"{request.param}-consumer", engine_cfg(path, omni_ktc("kv_consumer"), **kw)),
+        (f"{name}-{transport}-producer", engine_cfg(path, prod_ktc, **kw)),
+        (f"{name}-{transport}-consumer", engine_cfg(path, cons_ktc, **kw)),
     ) as (prod, cons):
         yield Pair(model, path, prod, cons, time.monotonic() - t0)
 

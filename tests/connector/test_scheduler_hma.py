@@ -23,6 +23,7 @@ from _kv_fixtures import BS, DIM, HEADS  # noqa: E402
 from sched_harness import (  # noqa: E402
     FULL,
     HYBRID_BLOCKS,
+    RUNNERS,
     SLIDING,
     WINDOW,
     Engine,
@@ -56,14 +57,19 @@ def pages(load: dict) -> int:
     return n
 
 
-@pytest.fixture(scope="module", params=["packed", "one_copy"])
+@pytest.fixture(
+    scope="module",
+    params=[(mode, runner) for runner in RUNNERS for mode in ("packed", "one_copy")],
+    ids=lambda p: "-".join(p),
+)
 def pair(request: pytest.FixtureRequest, tiny_model_dir: Path) -> Iterator[tuple[Engine, Engine]]:
     """A producer and a consumer; ``one_copy``: the shm region is on (shared-pages
     payloads with one block list per group), else packed payloads."""
     ns = f"hma-{uuid.uuid4().hex[:8]}"
-    share = {"backend_extra": {"namespace": ns, "share_cache": request.param == "one_copy"}}
-    prod = Engine(tiny_model_dir, "kv_producer", ns, seed=1, hybrid=True, **share)
-    cons = Engine(tiny_model_dir, "kv_consumer", ns, seed=2, hybrid=True, **share)
+    mode, runner = request.param
+    share = {"backend_extra": {"namespace": ns, "share_cache": mode == "one_copy"}}
+    prod = Engine(tiny_model_dir, "kv_producer", ns, seed=1, hybrid=True, runner=runner, **share)
+    cons = Engine(tiny_model_dir, "kv_consumer", ns, seed=2, hybrid=True, runner=runner, **share)
     try:
         yield prod, cons
     finally:

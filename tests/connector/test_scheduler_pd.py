@@ -17,17 +17,22 @@ import torch
 pytest.importorskip("vllm")
 
 from _kv_fixtures import NBLOCKS  # noqa: E402
-from sched_harness import Engine, abort_while_loading, decode, prefill  # noqa: E402
+from sched_harness import RUNNERS, Engine, abort_while_loading, decode, prefill  # noqa: E402
 
 PROMPT = [(i * 7919) % 2003 + 1 for i in range(200)]
 
 
-@pytest.fixture(scope="module", params=["packed", "one_copy"])
+@pytest.fixture(
+    scope="module",
+    params=[(mode, runner) for runner in RUNNERS for mode in ("packed", "one_copy")],
+    ids=lambda p: "-".join(p),
+)
 def pair(request: pytest.FixtureRequest, tiny_model_dir: Path) -> Iterator[tuple[Engine, Engine]]:
     ns = f"sched-{uuid.uuid4().hex[:8]}"
-    share = {"backend_extra": {"namespace": ns, "share_cache": request.param == "one_copy"}}
-    prod = Engine(tiny_model_dir, "kv_producer", ns, seed=1, **share)
-    cons = Engine(tiny_model_dir, "kv_consumer", ns, seed=2, **share)
+    mode, runner = request.param
+    share = {"backend_extra": {"namespace": ns, "share_cache": mode == "one_copy"}}
+    prod = Engine(tiny_model_dir, "kv_producer", ns, seed=1, runner=runner, **share)
+    cons = Engine(tiny_model_dir, "kv_consumer", ns, seed=2, runner=runner, **share)
     try:
         yield prod, cons
     finally:

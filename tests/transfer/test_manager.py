@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import os
 import time
 from types import SimpleNamespace
@@ -11,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from _kv_fixtures import BS, HEADS, LAYERS, cpu_layout_cache, head_shard, reference_kv
+from _mp import CTX
 
 from vllm_omni_kv import (
     BackendUnavailable,
@@ -22,7 +22,6 @@ from vllm_omni_kv import (
 )
 from vllm_omni_kv.transfer.manager import OmniKVCacheConfig
 
-CTX = mp.get_context("spawn")
 BLOCKS = [7, 2, 9, 4, 0, 11]
 SEQ = 150  # 4 full blocks of 32 + a partial one
 

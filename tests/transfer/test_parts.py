@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import time
 
 import pytest
 import torch
 from _kv_fixtures import LAYERS, cpu_layout_cache, reference_kv
+from _mp import CTX
 
 from vllm_omni_kv import KVCacheTransferData, OmniKVTransferManager
 from vllm_omni_kv.backends.shm.connector import SharedMemoryConnector
@@ -25,7 +25,6 @@ from vllm_omni_kv.transfer.parts import (
 )
 from vllm_omni_kv.wire import codec
 
-CTX = mp.get_context("spawn")
 BLOCKS = [7, 2, 9, 4, 0, 11]
 SEQ = 150
 

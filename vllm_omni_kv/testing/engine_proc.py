@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from vllm_omni_kv.testing.engine_zygote import ForkedProcess
+    from vllm_omni_kv.testing.forked_process import ForkedProcess
 
 MARK = "@@OMNIKV@@ "
 

@@ -7,7 +7,9 @@ pair, it imports :data:`PRELOAD` (none of this package's modules: the connector 
 imported in each engine, after its environment is set) and then, single-threaded, forks
 one child per request. A request is JSON ``{"id", "cfg", "env", "cwd"}`` plus two file
 descriptors (the child's stdin and stdout); the child sets its process group, stdio,
-working directory and environment and runs :func:`engine_proc._serve`. The zygote
+working directory and environment and runs :func:`engine_proc._serve`, or, when the request
+names ``"main": [module, *args]``, that module as ``python -m module args`` would (a test's
+``vllm serve``: :func:`spawn_main`). The zygote
 answers ``{"hello": ...}`` once after preloading, ``{"forked": pid, "id": id}`` per
 request and ``{"exited": pid, "code": code}`` per child it reaps (``code`` as
 :attr:`subprocess.Popen.returncode`). EOF on the socket ends it.
@@ -27,7 +29,6 @@ import importlib
 import json
 import os
 import select
-import signal
 import socket
 import subprocess
 import sys
@@ -35,7 +36,9 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import IO, Any, NoReturn
+from typing import Any, NoReturn
+
+from vllm_omni_kv.testing.forked_process import ForkedProcess, gone
 
 #: third-party modules an in-process engine of the test models loads (each optional)
 PRELOAD = (
@@ -83,6 +86,7 @@ OWN_MODULES = frozenset(
         "vllm_omni_kv.testing",
         "vllm_omni_kv.testing.engine_proc",
         "vllm_omni_kv.testing.engine_zygote",
+        "vllm_omni_kv.testing.forked_process",
     }
 )
 _RECV_BYTES = 1 << 20
@@ -157,10 +161,7 @@ def _child(sock: socket.socket, req: dict[str, Any], fds: list[int]) -> NoReturn
         os.chdir(req["cwd"])
         os.environ.clear()
         os.environ.update(req["env"])
-        from vllm_omni_kv.testing import engine_proc
-
-        sys.argv = [engine_proc.__file__, json.dumps(req["cfg"])]
-        engine_proc._serve(req["cfg"])
+        _run_request(req)
         code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
@@ -174,6 +175,21 @@ def _child(sock: socket.socket, req: dict[str, Any], fds: list[int]) -> NoReturn
         sys.stdout.flush()
         sys.stderr.flush()
     os._exit(code)
+
+
+def _run_request(req: dict[str, Any]) -> None:
+    """In the forked child: the engine loop, or the module the request names as its main."""
+    if req.get("main"):
+        import runpy
+
+        module, *args = req["main"]
+        sys.argv = [module, *args]
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        return
+    from vllm_omni_kv.testing import engine_proc
+
+    sys.argv = [engine_proc.__file__, json.dumps(req["cfg"])]
+    engine_proc._serve(req["cfg"])
 
 
 def _fork(sock: socket.socket, data: bytes, fds: list[int]) -> None:
@@ -212,52 +228,6 @@ def serve(fd: int) -> None:
 
 
 # -- the parent ------------------------------------------------------------------------
-
-
-class ForkedProcess:
-    """A child of the zygote seen like :class:`subprocess.Popen` (``text`` pipes)."""
-
-    def __init__(self, zygote: Zygote, pid: int, stdin: IO[str], stdout: IO[str]):
-        self.pid = pid
-        self.args = ["engine_zygote", str(pid)]
-        self.stdin: IO[str] | None = stdin
-        self.stdout: IO[str] | None = stdout
-        self.returncode: int | None = None
-        self._zygote = zygote
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            self.returncode = self._zygote.exit_code(self.pid)
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while (code := self.poll()) is None:
-            left = 0.5 if deadline is None else deadline - time.monotonic()
-            if left <= 0:
-                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
-            self._zygote.wait_change(min(left, 0.5))
-        return code
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, sig)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-
-def _gone(pid: int) -> bool:
-    """``pid`` has exited (a zombie nobody reaps counts as exited)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return True
 
 
 class Zygote:
@@ -332,31 +302,51 @@ class Zygote:
             if pid in self._codes:
                 return self._codes[pid]
             alive = self._alive
-        return -1 if not alive and _gone(pid) else None
+        return -1 if not alive and gone(pid) else None
 
     def fork(self, cfg: dict[str, Any], env: dict[str, str], cwd: str) -> ForkedProcess | None:
         """One engine forked with ``env`` in ``cwd``; ``None`` if the zygote did not answer."""
         child_in, parent_in = os.pipe()
         parent_out, child_out = os.pipe()
-        with self._send_lock:
-            self._next_id += 1
-            rid = self._next_id
-            req = json.dumps({"id": rid, "cfg": cfg, "env": env, "cwd": cwd}).encode()
-            try:
-                socket.send_fds(self._sock, [req], [child_in, child_out])
-            except OSError:
-                rid = -1
-            finally:
-                os.close(child_in)
-                os.close(child_out)
-        with self._cv:
-            self._cv.wait_for(lambda: rid in self._forked or not self._alive, 60)
-            pid = self._forked.pop(rid, None)
-        if pid is None or pid < 0:
+        pid = self._request({"cfg": cfg, "env": env, "cwd": cwd}, [child_in, child_out])
+        if pid is None:
             os.close(parent_in)
             os.close(parent_out)
             return None
         return ForkedProcess(self, pid, os.fdopen(parent_in, "w"), os.fdopen(parent_out, "r"))
+
+    def fork_main(
+        self, main: list[str], env: dict[str, str], cwd: str, output: Path
+    ) -> ForkedProcess | None:
+        """``python -m main[0] main[1:]`` forked with ``env`` in ``cwd``, its stdin empty and
+        its output appended to ``output``; ``None`` if the zygote did not answer."""
+        stdin = os.open(os.devnull, os.O_RDONLY)
+        out = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        req = {"cfg": {}, "main": main, "env": env, "cwd": cwd}
+        pid = self._request(req, [stdin, out])
+        if pid is None:
+            return None
+        proc = ForkedProcess(self, pid, None, None)
+        proc.args = ["engine_zygote", *main]
+        return proc
+
+    def _request(self, req: dict[str, Any], fds: list[int]) -> int | None:
+        """Send one fork request with the child's stdin and stdout (closed here); its pid."""
+        with self._send_lock:
+            self._next_id += 1
+            rid = self._next_id
+            data = json.dumps({"id": rid, **req}).encode()
+            try:
+                socket.send_fds(self._sock, [data], fds)
+            except OSError:
+                rid = -1
+            finally:
+                for fd in fds:
+                    os.close(fd)
+        with self._cv:
+            self._cv.wait_for(lambda: rid in self._forked or not self._alive, 60)
+            pid = self._forked.pop(rid, None)
+        return None if pid is None or pid < 0 else pid
 
     def close(self, timeout: float = 5.0) -> None:
         """EOF to the zygote (its engines keep running until their stdin closes)."""
@@ -379,6 +369,21 @@ def _shutdown() -> None:
         _zygote.close()
 
 
+def _usable(env: dict[str, str], zygote_env: dict[str, str], log: Path | None) -> Zygote | None:
+    """This process's zygote (started on first use with ``zygote_env``, its output to
+    ``log``) if a child with ``env`` may fork from it."""
+    global _zygote
+    with _lock:
+        if _zygote is None:  # one per process; a dead one means fresh processes from then on
+            atexit.register(_shutdown)
+            _zygote = Zygote(zygote_env, log)
+        z = _zygote
+    hello = z.ready(timeout=300)
+    if hello is None or not forkable(env, z.env, hello["env"]):
+        return None
+    return z
+
+
 def spawn(
     cfg: dict[str, Any],
     env: dict[str, str],
@@ -389,16 +394,23 @@ def spawn(
     """Fork an in-process engine from this process's zygote, started on first use with
     ``zygote_env`` (its output to ``log``); ``None`` where ``env`` disagrees with that
     zygote on :data:`IMPORT_ENV_PREFIXES` or it cannot serve (start a fresh process)."""
-    global _zygote
-    with _lock:
-        if _zygote is None:  # one per process; a dead one means fresh processes from then on
-            atexit.register(_shutdown)
-            _zygote = Zygote(zygote_env, log)
-        z = _zygote
-    hello = z.ready(timeout=300)
-    if hello is None or not forkable(env, z.env, hello["env"]):
-        return None
-    return z.fork(cfg, env, cwd)
+    z = _usable(env, zygote_env, log)
+    return None if z is None else z.fork(cfg, env, cwd)
+
+
+def spawn_main(
+    main: list[str],
+    env: dict[str, str],
+    cwd: str,
+    output: Path,
+    zygote_env: dict[str, str],
+    log: Path | None = None,
+) -> ForkedProcess | None:
+    """``python -m main[0] main[1:]`` (a ``vllm serve``) forked from this process's zygote
+    as :func:`spawn` forks an engine, its output appended to ``output``; ``None``: start it
+    fresh."""
+    z = _usable(env, zygote_env, log)
+    return None if z is None else z.fork_main(main, env, cwd, output)
 
 
 if __name__ == "__main__":

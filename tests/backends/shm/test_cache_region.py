@@ -6,7 +6,6 @@ from __future__ import annotations
 import fcntl
 import gc
 import hashlib
-import multiprocessing as mp
 import os
 import re
 import stat
@@ -19,6 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from _mp import CTX
 
 from vllm_omni_kv.backends.cache_region import view_extent
 from vllm_omni_kv.backends.shm import arena
@@ -26,7 +26,6 @@ from vllm_omni_kv.backends.shm.cache_region import KV_OFFSET, ShmCacheRegion
 from vllm_omni_kv.backends.shm.producer import ProducerArena
 from vllm_omni_kv.errors import ConfigError, KVPayloadError, KVTransferError
 
-CTX = mp.get_context("spawn")
 NBYTES = 3 << 20  # above the 1 MiB an allocation must reach to be the KV cache
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
-import multiprocessing as mp
 import os
 import signal
 import subprocess
@@ -21,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from _mp import CTX
 
 import vllm_omni_kv
 from vllm_omni_kv import KVCacheTransferData, SharedMemoryConnector, ShmInventory, shm_inventory
@@ -30,7 +30,6 @@ from vllm_omni_kv.backends.shm.connector import index_name
 from vllm_omni_kv.backends.shm.inventory import inventory
 from vllm_omni_kv.backends.shm.producer import ProducerArena
 
-CTX = mp.get_context("spawn")
 REPO = Path(vllm_omni_kv.__file__).resolve().parents[1]
 NBYTES = 3 << 20  # a KV cache allocation (at least 1 MiB)
 

@@ -8,7 +8,6 @@ SIGKILL after claiming a segment.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import shutil
 import signal
@@ -21,6 +20,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
+from _mp import CTX
 
 from vllm_omni_kv import KVCacheTransferData, SharedMemoryConnector
 from vllm_omni_kv.backends.shm import arena as shm_arena
@@ -35,7 +35,6 @@ from vllm_omni_kv.backends.shm.liveness import (
     pid_namespace,
 )
 
-CTX = mp.get_context("spawn")
 STALE = 3.0  # heartbeat_stale_s of these tests (the smallest allowed)
 WAIT = 60.0  # generous bound for anything that must happen "within the threshold"
 
@@ -348,8 +347,8 @@ def _put_small_then_wait(ns: str, q) -> None:
 
 def test_inline_entries_of_a_killed_producer_are_swept(ns: str) -> None:
     # a small payload travels inside its index entry, which names its producer's pid
-    q = mp.get_context("spawn").Queue()
-    proc = mp.get_context("spawn").Process(target=_put_small_then_wait, args=(ns, q))
+    q = CTX.Queue()
+    proc = CTX.Process(target=_put_small_then_wait, args=(ns, q))
     proc.start()
     try:
         assert q.get(timeout=WAIT) == "published"

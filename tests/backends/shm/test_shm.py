@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import multiprocessing as mp
 import os
 import signal
 import stat
@@ -12,12 +11,11 @@ import time
 import msgpack
 import pytest
 import torch
+from _mp import CTX
 
 from vllm_omni_kv import KVCacheTransferData, KVPayloadError, KVTransferError, SharedMemoryConnector
 from vllm_omni_kv.backends.shm import arena as shm_arena
 from vllm_omni_kv.backends.shm.connector import index_name
-
-CTX = mp.get_context("spawn")
 
 
 def _payload(seq: int = 300) -> KVCacheTransferData:

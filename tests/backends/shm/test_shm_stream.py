@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import mmap
-import multiprocessing as mp
 import os
 import signal
 import threading
@@ -13,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from _mp import CTX
 
 from vllm_omni_kv import (
     KVPayloadError,
@@ -29,7 +29,6 @@ from vllm_omni_kv.kvcache.paged_blocks import extract_request_blocks
 from vllm_omni_kv.kvcache.token_major import extract_request_kv
 from vllm_omni_kv.wire.codec import LazyTensor
 
-CTX = mp.get_context("spawn")
 N = 4 << 20  # tensor bytes of the gated payload
 HALF = N // 2
 
@@ -351,8 +350,9 @@ def _mgr(ns: str, *, send: bool, stream: bool) -> OmniKVTransferManager:
     )
 
 
-def _send(ns: str, stream: bool, fmt: str, ids: list[int], tokens: int, go: Any) -> None:
-    """Send one request; layer 1 is packed only once ``go`` is set (if given)."""
+def _send(ns: str, stream: bool, fmt: str, ids: list[int], tokens: int, go: Any, read: Any) -> None:
+    """Send one request; layer 1 is packed only once ``go`` is set (if given); the arena
+    lives until the receiver sets ``read``."""
     with _mgr(ns, send=True, stream=stream) as mgr:
         caches = _caches(1)
         if fmt == "blocks":
@@ -370,14 +370,15 @@ def _send(ns: str, stream: bool, fmt: str, ids: list[int], tokens: int, go: Any)
 
             layers[1] = LazyTensor(lazy.shape, lazy.dtype, gated)
         assert mgr.send_kv_cache("req", data)
-        time.sleep(3)  # keep the arena alive while the receiver reads
+        read.wait(60)  # keep the arena alive while the receiver reads
 
 
 @pytest.mark.parametrize("stream", [True, False])
 @pytest.mark.parametrize("fmt", ["blocks", "tokens"])
 def test_receive_into_gets_bit_identical_blocks(ns: str, stream: bool, fmt: str) -> None:
     src_ids, dst_ids, tokens = [7, 3, 30, 31, 32, 12], [0, 5, 6, 7, 20, 39], 6 * BS - 5
-    p = CTX.Process(target=_send, args=(ns, stream, fmt, src_ids, tokens, None))
+    read = CTX.Event()
+    p = CTX.Process(target=_send, args=(ns, stream, fmt, src_ids, tokens, None, read))
     p.start()
     try:
         dst = _caches(2)
@@ -396,14 +397,15 @@ def test_receive_into_gets_bit_identical_blocks(ns: str, stream: bool, fmt: str)
             others = [b for b in range(40) if b not in dst_ids]
             assert torch.equal(dst[layer][others], before[layer][others])
     finally:
+        read.set()
         p.join(30)
 
 
 def test_receive_into_writes_blocks_while_the_sender_is_still_packing(ns: str) -> None:
     """With layer 1 held back by the sender, layer 0 is already in the receiver's cache."""
     src_ids, dst_ids, tokens = [7, 3, 30, 31], [0, 5, 6, 7], 4 * BS
-    go = CTX.Event()
-    p = CTX.Process(target=_send, args=(ns, True, "blocks", src_ids, tokens, go))
+    go, read = CTX.Event(), CTX.Event()
+    p = CTX.Process(target=_send, args=(ns, True, "blocks", src_ids, tokens, go, read))
     p.start()
     dst = _caches(2)
     src = _caches(1)
@@ -429,4 +431,5 @@ def test_receive_into_writes_blocks_while_the_sender_is_still_packing(ns: str) -
     finally:
         go.set()
         th.join(30)
+        read.set()
         p.join(30)
