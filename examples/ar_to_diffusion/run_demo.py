@@ -83,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     ns = f"ar2dit-{os.getpid()}"
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # the AR stage's engine core runs inside the AR stage process: one interpreter, not two
+    # (on CPU vLLM spawns a separate engine-core process, which imports vLLM again)
+    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     log = open(a.out.parent.mkdir(parents=True, exist_ok=True) or a.out.with_suffix(".ar.log"), "w")
     ar = subprocess.Popen(
         [
