@@ -71,47 +71,38 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 #: modules that share a session fixture run on one worker, as one unit (the example
 #: deployment of test_pd_load and test_pd_serve)
 SCOPE_OF = {"tests/connector/test_pd_load.py": "tests/connector/test_pd_serve.py"}
-#: modules by cost (seconds: a whole `make test` on 2026-11-27 with its engine starts, less what
-#: that day's changes measured), longest first, so that the two workers finish together;
-#: unlisted modules take a few seconds
+#: modules by cost (seconds in a clean clone's `make test` of 2026-11-27, engine starts included;
+#: test_pd_state and test_pd_hybrid with the tests added after it), longest first, so that the
+#: two workers finish together; unlisted modules take a few seconds
 COST_S = {
-    "tests/connector/test_pd_serve.py": 215,  # with test_pd_load (SCOPE_OF)
-    "tests/connector/test_pd_hetero_tp.py": 185,
-    "tests/backends/nixl/test_pd_nixl.py": 180,
-    "tests/test_demos.py": 170,
-    "tests/connector/test_faults.py": 160,
-    "tests/connector/test_pd_state.py": 130,
-    "tests/backends/nixl/test_serve_nixl.py": 110,
-    "tests/test_benchmarks.py": 110,
-    "tests/test_foundation.py": 105,
-    "tests/connector/test_serve_one_copy.py": 100,
-    "tests/connector/test_pd_hybrid.py": 98,
-    "tests/connector/test_pd_one_copy.py": 82,
-    "tests/kvcache/test_cpu_layout.py": 75,
-    "tests/backends/pull/test_mooncake_te.py": 68,
-    "tests/connector/test_faults_store.py": 66,
-    "tests/backends/test_conformance.py": 62,
-    "tests/transfer/test_manager.py": 60,
-    "tests/connector/test_engine_zygote.py": 60,
-    "tests/backends/pull/test_side_channel_attacks.py": 59,
-    "tests/connector/test_faults_deploy.py": 57,
-    "tests/backends/nixl/test_nixl.py": 52,
-    "tests/backends/shm/test_shm_stream.py": 50,
-    "tests/connector/test_pd_shm.py": 50,
-    "tests/backends/shm/test_liveness.py": 45,
-    "tests/connector/test_scheduler_pd.py": 40,
-    "tests/backends/nixl/test_nixl_bench.py": 39,
-    "tests/connector/test_leases.py": 30,
-    "tests/backends/shm/test_cache_region.py": 30,
-    "tests/backends/pull/test_te_cache_region.py": 30,
-    "tests/connector/test_pd_mooncake.py": 27,
-    "tests/backends/cuda_ipc/test_cuda_ipc.py": 23,
-    "tests/backends/shm/test_shm.py": 21,
-    "tests/backends/shm/test_inventory.py": 20,
-    "tests/connector/test_scheduler_hma.py": 20,
-    "tests/transfer/test_parts.py": 18,
-    "tests/test_gpu_check.py": 17,
-    "tests/connector/test_pd_acceptance.py": 13,
+    "tests/connector/test_pd_serve.py": 170,  # with test_pd_load (SCOPE_OF)
+    "tests/test_demos.py": 157,
+    "tests/connector/test_serve_one_copy.py": 157,
+    "tests/test_benchmarks.py": 144,
+    "tests/connector/test_pd_hetero_tp.py": 142,
+    "tests/connector/test_faults.py": 138,
+    "tests/test_foundation.py": 92,
+    "tests/connector/test_pd_state.py": 85,
+    "tests/backends/nixl/test_serve_nixl.py": 82,
+    "tests/backends/test_conformance.py": 78,
+    "tests/connector/test_pd_one_copy.py": 71,
+    "tests/backends/pull/test_mooncake_te.py": 65,
+    "tests/kvcache/test_cpu_layout.py": 59,
+    "tests/connector/test_faults_store.py": 58,
+    "tests/backends/shm/test_liveness.py": 47,
+    "tests/backends/nixl/test_pd_nixl.py": 43,
+    "tests/connector/test_pd_shm.py": 42,
+    "tests/connector/test_faults_deploy.py": 40,
+    "tests/connector/test_engine_zygote.py": 40,
+    "tests/backends/pull/test_side_channel_attacks.py": 38,
+    "tests/connector/test_leases.py": 37,
+    "tests/backends/nixl/test_nixl.py": 37,
+    "tests/connector/test_pd_mooncake.py": 26,
+    "tests/backends/pull/test_te_cache_region.py": 25,
+    "tests/backends/nixl/test_nixl_bench.py": 21,
+    "tests/connector/test_pd_hybrid.py": 20,
+    "tests/backends/cuda_ipc/test_cuda_ipc.py": 17,
+    "tests/test_gpu_check.py": 13,
 }
 
 

@@ -22,6 +22,7 @@ __all__ = [
     "SERVE_NAMESPACE",
     "SMALL_CACHE_BLOCKS",
     "EngineProc",
+    "assert_abort_while_loading_frees_every_block",
     "assert_cache_free",
     "colocated_reference",
     "engine_cfg",
@@ -287,3 +288,19 @@ def assert_killed_producer_recomputes(pd: PullPD, recv_timeout: float) -> None:
         assert o["token_ids"] == ref[tuple(ids)]
         load = o["kv_transfer_params"]["omni_kv_load"]
         assert load["ok"] is False and load["error"], load
+
+
+def assert_abort_while_loading_frees_every_block(
+    cons: EngineProc, prompt: list[int], params: dict[str, Any]
+) -> None:
+    """The consumer's request waits for a payload that is never published (``params`` of a
+    real prefill under a fresh ``remote_request_id``); vLLM aborts it as a client hang-up
+    does: every block the request held goes back to the pool at once (a load that was not
+    cancelled would keep them until ``recv_timeout``, 30 s)."""
+    never = {**params, "remote_request_id": f"never-published-{time.time_ns()}"}
+    out = cons.abort_while_loading(prompt, never)
+    assert "error" not in out, out
+    assert out["free_while_waiting"] is not None, out  # it did wait for its remote KV
+    assert out["free_while_waiting"] < out["free_before"], out  # ... holding blocks
+    assert out["requests_left"] == 0 and out["free_after"] == out["free_before"], out
+    assert out["seconds_to_free"] < 5, out

@@ -118,3 +118,31 @@ def test_forkable_compares_import_time_keys() -> None:
     assert not forkable({}, before, after)  # OMP_NUM_THREADS unset: torch reads its default
     assert not forkable({**before, "TORCHINDUCTOR_CACHE_DIR": "/other"}, before, after)
     assert not forkable({**before, "LD_PRELOAD": "libtcmalloc.so"}, before, after)
+
+
+def test_a_module_main_forks_with_its_argv_env_and_output(tmp_path: Path) -> None:
+    """``spawn_main`` runs a module as ``python -m`` would (how the serve tests start
+    ``vllm serve``): its argv, its environment, its output appended to the file, its exit
+    code; an environment the zygote cannot serve gets ``None`` (start it fresh)."""
+    from vllm_omni_kv.testing import engine_zygote
+    from vllm_omni_kv.testing.engine_proc import engine_env
+
+    zygote_env = engine_env({"in_process": True})
+    env = {**zygote_env, "OMNIKV_ZYGOTE_MAIN": "from-the-parent"}
+    script = tmp_path / "main_probe.py"
+    script.write_text(
+        "import os, sys\n"
+        "print('argv', sys.argv[1:], os.environ['OMNIKV_ZYGOTE_MAIN'], flush=True)\n"
+        "sys.exit(int(sys.argv[1]))\n"
+    )
+    out = tmp_path / "out.log"
+    out.write_text("earlier\n")
+    proc = engine_zygote.spawn_main(
+        ["main_probe", "3", "x y"], env, str(tmp_path), out, zygote_env, LOG_DIR / "zygote-main.log"
+    )
+    assert proc is not None
+    assert proc.wait(timeout=60) == 3
+    assert out.read_text() == "earlier\nargv ['3', 'x y'] from-the-parent\n"
+    assert (
+        engine_zygote.spawn_main(["main_probe"], {**env, **FRESH_ENV}, ".", out, zygote_env) is None
+    )

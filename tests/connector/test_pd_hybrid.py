@@ -9,7 +9,8 @@ blocks from ``(n - w + 1) // 32``); ``remote_block_ids`` holds one list per KV c
 group; a prompt cached on the consumer loads only the blocks after its local hit. The
 payloads are shm's default, one copy: each prefill leaves a hold on the producer's blocks
 (a shared-pages payload; a packed one holds none), a load moves exactly its pages plus a
-descriptor under 4 KiB, and the producer never logs a fallback to packed payloads.
+descriptor under 4 KiB, and the producer never logs a fallback to packed payloads. A
+request aborted while its load waits is cancelled at once and gives back every block.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pd_helpers import (  # noqa: E402
     LOG_DIR,
     NAMESPACE,
     EngineProc,
+    assert_abort_while_loading_frees_every_block,
     engine_cfg,
     engines,
     long_prompt,
@@ -126,3 +128,15 @@ def test_hybrid_pd_moves_each_layer_its_blocks_and_decodes_the_producers_tokens(
         assert 0 < load["bytes"] % PAGE < 4096, load
     log = (LOG_DIR / "hybrid-producer.log").read_text(errors="replace")
     assert "sends packed payloads" not in log and "packed payloads instead" not in log
+
+
+def test_an_abort_while_loading_frees_every_group_and_the_next_load_is_exact(
+    pair: tuple[EngineProc, EngineProc], gemma: Path
+) -> None:
+    prod, cons = pair
+    prompt = long_prompt(gemma, 200, seed=41)
+    ((tokens, load, params),) = _decode(prod, cons, [prompt])
+    assert load["ok"] is True, load
+    assert_abort_while_loading_frees_every_block(cons, prompt, params)
+    ((again, load, _params),) = _decode(prod, cons, [prompt])
+    assert again == tokens and load["ok"] is True, load

@@ -1,7 +1,7 @@
 """P/D of hybrid models with recurrent-state layers, vLLM's defaults (hybrid KV cache
 manager, prefix caching in "align" mode): one pair of in-process engines per model and
 transport: both models over shared memory, Qwen3-Next also over Mooncake's Transfer Engine
-(TCP) and NIXL (UCX), each where its wheel imports.
+(TCP), Mooncake Store (a loopback master) and NIXL (UCX), each where its wheel imports.
 
 Models (``tests/_models``): a tiny random Qwen3-Next (3 gated-delta-net layers, one
 full-attention layer, float32) and a tiny random GraniteMoeHybrid (Granite 4.0-H: 3
@@ -13,11 +13,13 @@ the prompt as an ordinary engine; up to the reference's first near tie, see
 consumer computes the last one from the loaded state, as with vLLM's NixlConnector):
 whole attention pages for every block holding them after the consumer's local prefix,
 plus exactly one state page per state layer; a prompt cached on the consumer is a
-local hit (nothing moves); a prompt sharing a cached prefix loads only what follows it.
+local hit (nothing moves); a prompt sharing a cached prefix loads only what follows it; a
+request aborted while its load waits gives back every attention and state block at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 import time
@@ -31,7 +33,15 @@ import pytest
 pytest.importorskip("vllm")
 
 from _models import tiny_granite_hybrid, tiny_qwen3_next  # noqa: E402
-from pd_helpers import EngineProc, engine_cfg, engines, long_prompt, make_prompts, omni_ktc  # noqa: E402
+from pd_helpers import (  # noqa: E402
+    EngineProc,
+    assert_abort_while_loading_frees_every_block,
+    engine_cfg,
+    engines,
+    long_prompt,
+    make_prompts,
+    omni_ktc,
+)
 
 from vllm_omni_kv.testing.net import free_port  # noqa: E402
 
@@ -85,6 +95,8 @@ MODELS = {
 }
 
 
+#: transports whose consumer fetches a whole payload even where it needs a part of it
+WHOLE_OBJECT = ("mooncake_store",)
 #: the pull transports' pool and the seconds a consumer waits (TCP reads may retry)
 POOL = 64 << 20
 RECV_TIMEOUT = 15.0
@@ -101,6 +113,13 @@ PAIRS = [
         id="qwen3_next-mooncake",
     ),
     pytest.param(
+        ("qwen3_next", "mooncake_store"),
+        marks=pytest.mark.skipif(
+            importlib.util.find_spec("mooncake") is None, reason="no Mooncake wheel"
+        ),
+        id="qwen3_next-mooncake_store",
+    ),
+    pytest.param(
         ("qwen3_next", "nixl"),
         marks=pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="no NIXL wheel"),
         id="qwen3_next-nixl",
@@ -108,10 +127,21 @@ PAIRS = [
 ]
 
 
-def _ktcs(transport: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The producer's and the consumer's ``kv_transfer_config`` over ``transport``."""
+def _ktcs(transport: str, stack: contextlib.ExitStack) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The producer's and the consumer's ``kv_transfer_config`` over ``transport`` (a
+    Mooncake master for the store, on ``stack``)."""
     if transport == "shm":
         return omni_ktc("kv_producer"), omni_ktc("kv_consumer")
+    if transport == "mooncake_store":
+        from vllm_omni_kv.backends.mooncake_store.master import mooncake_master
+
+        extra = stack.enter_context(mooncake_master()).store_config(connect_timeout_s=5.0)
+        return (
+            omni_ktc("kv_producer", backend=transport, backend_extra=extra),
+            omni_ktc(
+                "kv_consumer", backend=transport, recv_timeout=RECV_TIMEOUT, backend_extra=extra
+            ),
+        )
     common: dict[str, Any] = {"host": "127.0.0.1", "memory_pool_size": POOL}
     if transport == "mooncake":
         common["protocol"] = "tcp"
@@ -136,6 +166,7 @@ class Pair:
     prod: EngineProc
     cons: EngineProc
     started_s: float
+    transport: str
 
 
 @pytest.fixture(scope="module", params=PAIRS, ids=lambda p: "-".join(p))
@@ -143,16 +174,20 @@ def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
     name, transport = request.param
     model = MODELS[name]
     path = model.build()
-    prod_ktc, cons_ktc = _ktcs(transport)
+    stack = contextlib.ExitStack()
+    prod_ktc, cons_ktc = _ktcs(transport, stack)
     t0 = time.monotonic()
     # vLLM picks the block size of a model with state layers (None: its default)
     kw = {"block_size": None, "max_model_len": 1024, "dtype": model.dtype,
           "mamba_ssm_cache_dtype": "float32", "enable_prefix_caching": model.prefix_caching}  # fmt: skip
-    with engines(
-        (f"{name}-{transport}-producer", engine_cfg(path, prod_ktc, **kw)),
-        (f"{name}-{transport}-consumer", engine_cfg(path, cons_ktc, **kw)),
-    ) as (prod, cons):
-        yield Pair(model, path, prod, cons, time.monotonic() - t0)
+    with (
+        stack,
+        engines(
+            (f"{name}-{transport}-producer", engine_cfg(path, prod_ktc, **kw)),
+            (f"{name}-{transport}-consumer", engine_cfg(path, cons_ktc, **kw)),
+        ) as (prod, cons),
+    ):
+        yield Pair(model, path, prod, cons, time.monotonic() - t0, transport)
 
 
 def _decode(pair: Pair, prompts: list[list[int]]) -> list[tuple[list[int], dict[str, Any]]]:
@@ -225,5 +260,24 @@ def test_state_pd_prefix_hits_on_the_consumer(pair: Pair) -> None:
     local = 2 * m.block_size
     assert _same(tokens, ref[1]), (load, tokens, ref[1])
     assert load["ok"] is True and load["tokens"] == len(longer) - 1 - local, load
-    _check_bytes(m, load, len(longer), local)
+    # Mooncake Store serves whole objects: the consumer fetches the whole payload and
+    # writes only the blocks after its local prefix; the other transports read just those
+    _check_bytes(m, load, len(longer), 0 if pair.transport in WHOLE_OBJECT else local)
     print(f"engine pair started in {pair.started_s:.1f}s")
+
+
+def test_state_pd_abort_while_loading_frees_every_block(pair: Pair) -> None:
+    prompt = long_prompt(pair.path, 150, seed=43)
+    ref = _reference(pair, [prompt])
+    n = len(prompt)
+    r = pair.prod.generate([prompt], max_tokens=1, kv_transfer_params=[REMOTE_DECODE])
+    assert "error" not in r, r
+    params = r["outputs"][0]["kv_transfer_params"]
+    assert_abort_while_loading_frees_every_block(pair.cons, prompt, params)
+    # the payload the abort left unclaimed still loads: nothing of it was spoiled
+    r = pair.cons.generate([prompt], max_tokens=16, kv_transfer_params=[params])
+    assert "error" not in r, r
+    (out,) = r["outputs"]
+    load = out["kv_transfer_params"]["omni_kv_load"]
+    assert _same(out["token_ids"], ref[0]), (out["token_ids"], ref[0])
+    assert load["ok"] is True and load["tokens"] <= n - 1, load

@@ -8,8 +8,10 @@ plus ``kv_transfer_config``; ``"in_process": true`` runs the engine core and its
 in this one process (vLLM's ``InprocClient`` and ``uni`` executor, TP 1 only: one
 interpreter start instead of three). Commands: ``{"cmd": "generate", "prompts":
 [[token ids]...], "max_tokens": n, "kv_transfer_params": [dict|None...],
-"logprobs": k}`` and ``{"cmd": "exit"}``; with ``logprobs`` each output carries
-``top2``, the two highest logprobs per generated token.
+"logprobs": k}``, ``{"cmd": "abort_while_loading", "prompt": [token ids],
+"kv_transfer_params": dict}`` (in-process engines: :func:`_abort_while_loading`) and
+``{"cmd": "exit"}``; with ``logprobs`` each output carries ``top2``, the two highest
+logprobs per generated token.
 """
 
 from __future__ import annotations
@@ -90,7 +92,47 @@ def _serve(cfg: dict[str, Any]) -> None:
         req = json.loads(line)
         if req.get("cmd") == "exit":
             break
+        if req.get("cmd") == "abort_while_loading":
+            _emit(_abort_while_loading(llm, req, SamplingParams))
+            continue
         _emit(_generate(llm, req, SamplingParams))
+
+
+def _abort_while_loading(llm: Any, req: dict[str, Any], sampling_params: Any) -> dict[str, Any]:
+    """Add one request with ``kv_transfer_params``, step until vLLM's scheduler has it
+    waiting for its remote KV, abort it as a client hang-up does, then step until the
+    engine holds no request: the block pool's free blocks before, while it waited and
+    after (an in-process engine: the scheduler lives in this process)."""
+    from vllm.v1.request import RequestStatus
+
+    engine = llm.llm_engine
+    sched = engine.engine_core.engine_core.scheduler
+    pool = sched.kv_cache_manager.block_pool
+    out: dict[str, Any] = {"free_before": pool.get_num_free_blocks()}
+    sp = sampling_params(
+        temperature=0,
+        max_tokens=16,
+        ignore_eos=True,
+        extra_args={"kv_transfer_params": dict(req["kv_transfer_params"])},
+    )
+    rid = f"abort-while-loading-{time.time_ns()}"
+    engine.add_request(rid, {"prompt_token_ids": req["prompt"]}, sp)
+    deadline = time.monotonic() + 30
+    waiting = False
+    while not waiting and time.monotonic() < deadline:
+        engine.step()
+        waiting = any(
+            r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in sched.requests.values()
+        )
+    out["free_while_waiting"] = pool.get_num_free_blocks() if waiting else None
+    aborted = time.monotonic()
+    engine.abort_request([rid])
+    while (sched.requests or engine.has_unfinished_requests()) and time.monotonic() < deadline:
+        engine.step()
+    out["seconds_to_free"] = time.monotonic() - aborted
+    out["requests_left"] = len(sched.requests)
+    out["free_after"] = pool.get_num_free_blocks()
+    return out
 
 
 def _generate(llm: Any, req: dict[str, Any], sampling_params: Any) -> dict[str, Any]:
@@ -160,6 +202,7 @@ class EngineProc:
         self.log_lines: deque[str] = deque(maxlen=4000)
         self.log_path = log
         self._log_file = open(log, "a") if log else None  # noqa: SIM115
+        self._log_lock = threading.Lock()
         forked = self._fork(cfg, full_env, log) if preloaded and cfg.get("in_process") else None
         #: forked from the zygote, or started fresh
         self.forked = forked is not None
@@ -198,9 +241,10 @@ class EngineProc:
                     self._cv.notify_all()
             else:
                 self.log_lines.append(line.rstrip("\n"))
-                if self._log_file:
-                    self._log_file.write(line)
-                    self._log_file.flush()
+                with self._log_lock:  # stop() may be closing it
+                    if self._log_file:
+                        self._log_file.write(line)
+                        self._log_file.flush()
         with self._cv:
             self._cv.notify_all()
 
@@ -243,6 +287,18 @@ class EngineProc:
         self.proc.stdin.flush()
         return self._wait_reply(timeout)
 
+    def abort_while_loading(
+        self, prompt: list[int], kv_transfer_params: dict[str, Any], timeout: float = 60.0
+    ) -> dict[str, Any]:
+        """The engine's block pool around a request aborted while it waits for its remote
+        KV (``free_before``, ``free_while_waiting``, ``free_after``, ``requests_left``,
+        ``seconds_to_free``: from the abort until the engine held no request)."""
+        assert self.proc.stdin is not None
+        msg = {"cmd": "abort_while_loading", "prompt": prompt}
+        self.proc.stdin.write(json.dumps({**msg, "kv_transfer_params": kv_transfer_params}) + "\n")
+        self.proc.stdin.flush()
+        return self._wait_reply(timeout)
+
     def kill(self) -> None:
         """SIGKILL the whole process group (the engine core is a child process)."""
         if self.proc.poll() is None:
@@ -274,9 +330,11 @@ class EngineProc:
                     self.kill()
         else:  # reap stray children of a crashed engine
             kill_group(self.proc.pid)
-        if self._log_file:
-            self._log_file.close()
-            self._log_file = None
+        self._reader.join(timeout=10)  # the rest of its output, up to EOF
+        with self._log_lock:
+            if self._log_file:
+                self._log_file.close()
+                self._log_file = None
 
 
 if __name__ == "__main__":

@@ -184,6 +184,7 @@ def _run_request(req: dict[str, Any]) -> None:
 
         module, *args = req["main"]
         sys.argv = [module, *args]
+        sys.path[0] = os.getcwd()  # as `python -m` puts its working directory first
         runpy.run_module(module, run_name="__main__", alter_sys=True)
         return
     from vllm_omni_kv.testing import engine_proc
