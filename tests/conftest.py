@@ -83,6 +83,7 @@ COST_S = {
     "tests/connector/test_faults.py": 138,
     "tests/test_foundation.py": 92,
     "tests/connector/test_pd_state.py": 85,
+    "tests/connector/test_serve_state.py": 70,
     "tests/backends/nixl/test_serve_nixl.py": 82,
     "tests/backends/test_conformance.py": 78,
     "tests/connector/test_pd_one_copy.py": 71,

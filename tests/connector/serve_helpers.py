@@ -93,24 +93,28 @@ def _wait_healthy(url: str, procs: list[Proc], timeout: float) -> None:
     raise TimeoutError(f"{url} not healthy after {timeout:.0f}s (logs in {LOG_DIR})")
 
 
+#: the model flags of :func:`serve_pd`'s servers unless a test gives its own
+MODEL_FLAGS = ["--dtype", "float32", "--max-model-len", "2048", "--block-size", "32"]
+
+
 @contextlib.contextmanager
 def serve_pd(
-    model_dir: Path, producer: str, consumer: str, name: str, worker_in_core: bool = False
+    model_dir: Path,
+    producer: str,
+    consumer: str,
+    name: str,
+    worker_in_core: bool = False,
+    model_flags: list[str] | None = None,
 ) -> Iterator[tuple[str, str]]:
     """Start producer, consumer (``--kv-transfer-config`` JSON each) and the proxy; yield
     ``(producer URL, proxy URL)``; always stop all three. ``worker_in_core``: each server's
     model worker runs in its engine-core process (vLLM's ``uni`` executor, one torch
-    thread): two interpreters per server instead of three."""
+    thread): two interpreters per server instead of three. ``model_flags`` replace
+    :data:`MODEL_FLAGS`."""
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
     pp, dp, xp = free_port(), free_port(), free_port()
-    common = [
-        "--model", str(model_dir),
-        "--dtype", "float32",
-        "--max-model-len", "2048",
-        "--block-size", "32",
-        "--enforce-eager",
-        "--seed", "0",
-    ]  # fmt: skip
+    flags = MODEL_FLAGS if model_flags is None else model_flags
+    common = ["--model", str(model_dir), *flags, "--enforce-eager", "--seed", "0"]
     if worker_in_core:
         env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1")
         common += ["--distributed-executor-backend", "uni"]

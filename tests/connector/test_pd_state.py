@@ -9,7 +9,8 @@ Mamba2 layers, one full-attention layer, float32).
 
 Asserted: the consumer decodes the producer's own greedy tokens (the producer serving
 the prompt as an ordinary engine; up to the reference's first near tie, see
-:data:`NEAR_TIE`: the bfloat16 Qwen3-Next has exact ties); a load moves the prompt's ``N - 1`` tokens (the
+``state_models.NEAR_TIE``: the bfloat16 Qwen3-Next's one-token step rounds differently from a
+chunk; test_serve_state compares every token against vLLM computing the same split); a load moves the prompt's ``N - 1`` tokens (the
 consumer computes the last one from the loaded state, as with vLLM's NixlConnector):
 whole attention pages for every block holding them after the consumer's local prefix,
 plus exactly one state page per state layer; a prompt cached on the consumer is a
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,7 +32,6 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from _models import tiny_granite_hybrid, tiny_qwen3_next  # noqa: E402
 from pd_helpers import (  # noqa: E402
     EngineProc,
     assert_abort_while_loading_frees_every_block,
@@ -42,59 +41,17 @@ from pd_helpers import (  # noqa: E402
     make_prompts,
     omni_ktc,
 )
+from state_models import (  # noqa: E402
+    MODELS,
+    NEAR_TIE,
+    Hybrid,
+    check_state_load_bytes,
+    same_up_to_near_tie,
+)
 
 from vllm_omni_kv.testing.net import free_port  # noqa: E402
 
 REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False}
-#: bytes of a frame besides its pages (header, digests: 16.0-16.1 KiB for these prompts over
-#: shm, Mooncake and NIXL), far below one more page (the smallest here: a 67,840-byte state page)
-FRAME_OVERHEAD = 24576
-#: a reference step whose two best logprobs are this close is a near tie: the consumer's
-#: kernels (its last prompt token runs as a one-token step from the loaded state, the
-#: reference's inside a chunk) round differently in bfloat16 (measured: up to 0.008 apart)
-NEAR_TIE = 0.03
-
-
-@dataclass(frozen=True)
-class Hybrid:
-    """What one model keeps per request: ``attention`` layers of ``page`` bytes per block of
-    ``block_size`` tokens (vLLM picks the power of two that makes a page hold a state
-    page), and
-    ``states`` layers of one ``state`` page each (conv state then SSM / GDN state)."""
-
-    build: Any
-    dtype: str
-    block_size: int
-    attention: int
-    page: int
-    states: int
-    state: int
-    #: None: vLLM's default (on: "align" mode); False: "none" mode, one state block
-    prefix_caching: bool | None = None
-
-
-MODELS = {
-    # GDN (vLLM's CPU kernel needs bfloat16): conv (3, 384) bfloat16 + state (1 head, 128,
-    # 128) float32; attention: 2 heads of 64, bfloat16
-    "qwen3_next": Hybrid(
-        tiny_qwen3_next, "bfloat16", 256, 1, 256 * 2 * 2 * 64 * 2, 3, 3 * 384 * 2 + 128**2 * 4
-    ),
-    # Mamba2: conv (3, 128 + 2 * 64) + state (4 heads, 32, 64), float32; attention: 2 of 32
-    # vLLM 0.32's CPU Mamba2 kernel fails in "align" mode (IndexError in mamba_mixer2's
-    # conv_ssm_forward, colocated too), so this model runs without prefix caching
-    "granite": Hybrid(
-        tiny_granite_hybrid,
-        "float32",
-        128,
-        1,
-        128 * 2 * 2 * 32 * 4,
-        3,
-        (3 * 256 + 4 * 32 * 64) * 4,
-        prefix_caching=False,
-    ),  # fmt: skip
-}
-
-
 #: transports whose consumer fetches a whole payload even where it needs a part of it
 WHOLE_OBJECT = ("mooncake_store",)
 #: the pull transports' pool and the seconds a consumer waits (TCP reads may retry)
@@ -216,28 +173,14 @@ def _reference(pair: Pair, prompts: list[list[int]]) -> list[tuple[list[int], in
     return out
 
 
-def _same(tokens: list[int], ref: tuple[list[int], int]) -> bool:
-    """``tokens`` are the reference's up to its first near tie."""
-    want, decided = ref
-    return len(tokens) == len(want) and tokens[:decided] == want[:decided]
-
-
-def _check_bytes(m: Hybrid, load: dict[str, Any], n: int, local: int) -> None:
-    """A load of tokens ``[local, n - 1)``: every attention layer's pages of the blocks
-    after the local prefix, one state page per state layer, and the frame's overhead."""
-    blocks = math.ceil((n - 1) / m.block_size) - local // m.block_size
-    rest = load["bytes"] - m.attention * blocks * m.page - m.states * m.state
-    assert 0 < rest < FRAME_OVERHEAD, (n, local, load)
-
-
 def test_state_pd_decodes_the_producers_tokens_and_moves_one_state_per_layer(pair: Pair) -> None:
     m = pair.model
     prompts = [long_prompt(pair.path, 300, seed=7), *make_prompts(pair.path, 2, seed=3)]
     ref = _reference(pair, prompts)
     for ids, (tokens, load), want in zip(prompts, _decode(pair, prompts), ref, strict=True):
-        assert _same(tokens, want), (len(ids), tokens, want)
+        assert same_up_to_near_tie(tokens, want), (len(ids), tokens, want)
         assert load["ok"] is True and load["tokens"] == len(ids) - 1, load
-        _check_bytes(m, load, len(ids), 0)
+        check_state_load_bytes(m, load, len(ids), 0)
 
 
 def test_state_pd_prefix_hits_on_the_consumer(pair: Pair) -> None:
@@ -251,18 +194,18 @@ def test_state_pd_prefix_hits_on_the_consumer(pair: Pair) -> None:
     longer = base[:-1] + long_prompt(pair.path, m.block_size + 20, seed=12)
     ref = _reference(pair, [base, longer])
     (tokens, load), = _decode(pair, [base])  # fmt: skip
-    assert _same(tokens, ref[0]), (tokens, ref[0])
+    assert same_up_to_near_tie(tokens, ref[0]), (tokens, ref[0])
     assert load["ok"] is True and load["tokens"] == len(base) - 1, load
     (tokens, load), = _decode(pair, [base])  # fmt: skip
-    assert _same(tokens, ref[0]), (tokens, ref[0])
+    assert same_up_to_near_tie(tokens, ref[0]), (tokens, ref[0])
     assert load.get("local_hit") is True and load["bytes"] == 0, load
     (tokens, load), = _decode(pair, [longer])  # fmt: skip
     local = 2 * m.block_size
-    assert _same(tokens, ref[1]), (load, tokens, ref[1])
+    assert same_up_to_near_tie(tokens, ref[1]), (load, tokens, ref[1])
     assert load["ok"] is True and load["tokens"] == len(longer) - 1 - local, load
     # Mooncake Store serves whole objects: the consumer fetches the whole payload and
     # writes only the blocks after its local prefix; the other transports read just those
-    _check_bytes(m, load, len(longer), 0 if pair.transport in WHOLE_OBJECT else local)
+    check_state_load_bytes(m, load, len(longer), 0 if pair.transport in WHOLE_OBJECT else local)
     print(f"engine pair started in {pair.started_s:.1f}s")
 
 
@@ -279,5 +222,5 @@ def test_state_pd_abort_while_loading_frees_every_block(pair: Pair) -> None:
     assert "error" not in r, r
     (out,) = r["outputs"]
     load = out["kv_transfer_params"]["omni_kv_load"]
-    assert _same(out["token_ids"], ref[0]), (out["token_ids"], ref[0])
+    assert same_up_to_near_tie(out["token_ids"], ref[0]), (out["token_ids"], ref[0])
     assert load["ok"] is True and load["tokens"] <= n - 1, load
