@@ -13,6 +13,7 @@ core 1.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +25,7 @@ from pd_helpers import engine_cfg, engines, make_prompts, omni_ktc
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 PREFILL = {"do_remote_decode": True, "do_remote_prefill": False}
+SHM = "/dev/shm"
 TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "OMP_NUM_THREADS": "1"}
 
 if (os.cpu_count() or 1) < 2:
@@ -44,11 +46,25 @@ def both(tiny_model_dir: Path) -> Iterator[dict[int, Any]]:
     def ktc(target_tp: int) -> dict[str, Any]:
         return omni_ktc("kv_both", "fail", backend="shm", target_tp_size=target_tp, recv_timeout=60)
 
-    with engines(
-        ("tp2-both", _cfg(tiny_model_dir, 2, ktc(1))),
-        ("tp1-both", _cfg(tiny_model_dir, 1, ktc(2))),
-    ) as (tp2, tp1):
-        yield {2: tp2, 1: tp1}
+    before = _vllm_tp_segments()
+    try:
+        with engines(
+            ("tp2-both", _cfg(tiny_model_dir, 2, ktc(1))),
+            ("tp1-both", _cfg(tiny_model_dir, 1, ktc(2))),
+        ) as (tp2, tp1):
+            yield {2: tp2, 1: tp1}
+    finally:
+        # vLLM's TP-2 workers can leave their communicator's segments behind when they are
+        # stopped (2 of 3 runs here): the ones created while this module's engines ran go
+        for name in _vllm_tp_segments() - before:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(SHM, name))
+
+
+def _vllm_tp_segments() -> set[str]:
+    """vLLM's CPU tensor-parallel shared-memory segments (``vllm_dist_*``); only this
+    module's engines run with TP > 1."""
+    return {n for n in os.listdir(SHM) if n.startswith("vllm_dist_")}
 
 
 @pytest.mark.parametrize(("prod_tp", "cons_tp"), [(2, 1), (1, 2)], ids=["tp2-to-tp1", "tp1-to-tp2"])
