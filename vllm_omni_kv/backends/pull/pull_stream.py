@@ -275,6 +275,8 @@ class PullFrameStream(ChunkedStream):
         self._puller, self._session, self._src, self._lease = puller, session, src_addr, lease
         self._what, self._local = what, local
         self._reads: list[cf.Future[None]] = []  # engine reads into ``local``
+        self._completed = False  # a load or copy_into reached its end
+        self._releasing = False  # _release_when_idle ran
         view = (ctypes.c_char * size).from_address(local.address)
         weakref.finalize(view, local.release)  # with the last view (and the last engine read)
         self._view: Any = view
@@ -296,15 +298,18 @@ class PullFrameStream(ChunkedStream):
             self._start(mv, info, verify=True, deadline=deadline, cancel=cancel)
         except BaseException:
             self._lease.end(False)
-            self.close()
-            self._release_when_idle()
+            self.close()  # frees the block once no read into it runs
             raise
 
     def _release_when_idle(self) -> None:
-        """Free the receive block of a stream that failed to open (nothing of it was handed
-        out) once the last engine read into it has ended. Waiting for the last view would
-        hold it for as long as the failed read's traceback lives (a reference cycle:
-        seen holding a killed producer's frame until the pool ran out)."""
+        """Free the receive block of a stream that failed to open, or closed without a
+        completed load (nothing of it is used then), once the last engine read into it has
+        ended. Waiting for the last view would hold it for as long as the failed read's
+        traceback lives (a reference cycle: seen holding a killed producer's frame until
+        the pool ran out, at open and mid-load)."""
+        if self._releasing:
+            return
+        self._releasing = True
         reads, self._reads = self._reads, []
         when_reads_end(reads, self._local.release)
 
@@ -340,11 +345,14 @@ class PullFrameStream(ChunkedStream):
             raise PullFailed(
                 f"{self._what} expired or was cleaned up on the sender during the pull"
             )
+        self._completed = True
 
     def close(self) -> None:
         self._lease.end(True)
         super().close()
         self._view = None
+        if not self._completed:  # failed or never loaded: its views are not used
+            self._release_when_idle()
 
 
 class RawPullStream(PayloadStream):
