@@ -10,8 +10,10 @@ from typing import Any
 
 from _models import tiny_granite_hybrid, tiny_qwen3_next
 
-#: bytes of a frame besides its pages (header, digests: 16.0-16.1 KiB for these prompts over
-#: shm, Mooncake and NIXL), far below one more page (the smallest here: a 67,840-byte state page)
+#: bytes a load moves besides its pages: a packed frame's header and digests, or a one-copy
+#: payload's descriptor (region, geometry, block ids, digests); 1.3-1.6 KB measured for
+#: these prompts on every transport, far below one more page (the smallest here: a
+#: 67,840-byte state page)
 FRAME_OVERHEAD = 24576
 #: a reference step whose two best logprobs are this close is a near tie, and the tokens
 #: from it on are not compared: the consumer's kernels (its last prompt token runs as a

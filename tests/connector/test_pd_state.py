@@ -1,22 +1,25 @@
 """P/D of hybrid models with recurrent-state layers, vLLM's defaults (hybrid KV cache
-manager, prefix caching in "align" mode): one pair of in-process engines per model and
-transport: both models over shared memory, Qwen3-Next also over Mooncake's Transfer Engine
-(TCP), Mooncake Store (a loopback master) and NIXL (UCX), each where its wheel imports.
+manager, prefix caching in "align" mode): one pair of in-process engines per model,
+transport and payload kind. Qwen3-Next's pages are copied straight out of the producer's
+cache (one copy) over shared memory, Mooncake's Transfer Engine (TCP) and NIXL (UCX), and
+travel in packed frames over Mooncake Store (a loopback master); Granite's travel in
+packed frames over shared memory. Mooncake and NIXL pairs run where their wheels import.
 
 Models (``tests/_models``): a tiny random Qwen3-Next (3 gated-delta-net layers, one
-full-attention layer, float32) and a tiny random GraniteMoeHybrid (Granite 4.0-H: 3
+full-attention layer, bfloat16) and a tiny random GraniteMoeHybrid (Granite 4.0-H: 3
 Mamba2 layers, one full-attention layer, float32).
 
 Asserted: the consumer decodes the producer's own greedy tokens (the producer serving
 the prompt as an ordinary engine; up to the reference's first near tie, see
-``state_models.NEAR_TIE``: the bfloat16 Qwen3-Next's one-token step rounds differently from a
-chunk; test_serve_state compares every token against vLLM computing the same split); a load moves the prompt's ``N - 1`` tokens (the
-consumer computes the last one from the loaded state, as with vLLM's NixlConnector):
-whole attention pages for every block holding them after the consumer's local prefix,
-plus exactly one state page per state layer; a prompt cached on the consumer is a
-local hit (nothing moves); a prompt sharing a cached prefix loads only what follows it; a
-request aborted while its load waits gives back every attention and state block at once.
-"""
+``state_models.NEAR_TIE``: the bfloat16 Qwen3-Next's one-token step rounds differently
+from a chunk; test_serve_state compares every token against vLLM computing the same
+split); a load moves the prompt's ``N - 1`` tokens (the consumer computes the last one
+from the loaded state, as with vLLM's NixlConnector): whole attention pages for every
+block holding them after the consumer's local prefix, plus exactly one state page per
+state layer, and a one-copy payload's descriptor or a packed frame's overhead (which
+tells the two apart); a prompt cached on the consumer is a local hit (nothing moves); a
+prompt sharing a cached prefix loads only what follows it; a request aborted while its
+load waits gives back every attention and state block at once."""
 
 from __future__ import annotations
 
@@ -57,38 +60,42 @@ WHOLE_OBJECT = ("mooncake_store",)
 #: the pull transports' pool and the seconds a consumer waits (TCP reads may retry)
 POOL = 64 << 20
 RECV_TIMEOUT = 15.0
-#: (model, transport) pairs: both models over shared memory, Qwen3-Next over the pull
-#: transports (the state pages travel in the same packed frame on every transport)
+
+
+def _needs(module: str, pair: tuple[str, str, bool]) -> Any:
+    return pytest.param(
+        pair,
+        marks=pytest.mark.skipif(
+            importlib.util.find_spec(module) is None, reason=f"no {module} wheel"
+        ),
+        id="-".join(pair[:2]) + ("-one_copy" if pair[2] else "-packed"),
+    )
+
+
+#: (model, transport, one copy) triples: Qwen3-Next's pages copied straight out of the
+#: producer's cache over shared memory (shm's default), Mooncake's Transfer Engine and
+#: NIXL (``register_cache``); packed frames for Granite over shared memory
+#: (``share_cache: false``) and Qwen3-Next over Mooncake Store (always packed)
 PAIRS = [
-    ("qwen3_next", "shm"),
-    ("granite", "shm"),
-    pytest.param(
-        ("qwen3_next", "mooncake"),
-        marks=pytest.mark.skipif(
-            importlib.util.find_spec("mooncake") is None, reason="no Mooncake wheel"
-        ),
-        id="qwen3_next-mooncake",
-    ),
-    pytest.param(
-        ("qwen3_next", "mooncake_store"),
-        marks=pytest.mark.skipif(
-            importlib.util.find_spec("mooncake") is None, reason="no Mooncake wheel"
-        ),
-        id="qwen3_next-mooncake_store",
-    ),
-    pytest.param(
-        ("qwen3_next", "nixl"),
-        marks=pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="no NIXL wheel"),
-        id="qwen3_next-nixl",
-    ),
+    pytest.param(("qwen3_next", "shm", True), id="qwen3_next-shm-one_copy"),
+    pytest.param(("granite", "shm", False), id="granite-shm-packed"),
+    _needs("mooncake", ("qwen3_next", "mooncake", True)),
+    _needs("mooncake", ("qwen3_next", "mooncake_store", False)),
+    _needs("nixl", ("qwen3_next", "nixl", True)),
 ]
 
 
-def _ktcs(transport: str, stack: contextlib.ExitStack) -> tuple[dict[str, Any], dict[str, Any]]:
+def _ktcs(
+    transport: str, one_copy: bool, stack: contextlib.ExitStack
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """The producer's and the consumer's ``kv_transfer_config`` over ``transport`` (a
     Mooncake master for the store, on ``stack``)."""
     if transport == "shm":
-        return omni_ktc("kv_producer"), omni_ktc("kv_consumer")
+        extra = {"share_cache": one_copy}
+        return (
+            omni_ktc("kv_producer", backend_extra=extra),
+            omni_ktc("kv_consumer", backend_extra=extra),
+        )
     if transport == "mooncake_store":
         from vllm_omni_kv.backends.mooncake_store.master import mooncake_master
 
@@ -99,7 +106,11 @@ def _ktcs(transport: str, stack: contextlib.ExitStack) -> tuple[dict[str, Any], 
                 "kv_consumer", backend=transport, recv_timeout=RECV_TIMEOUT, backend_extra=extra
             ),
         )
-    common: dict[str, Any] = {"host": "127.0.0.1", "memory_pool_size": POOL}
+    common: dict[str, Any] = {
+        "host": "127.0.0.1",
+        "memory_pool_size": POOL,
+        "register_cache": one_copy,
+    }
     if transport == "mooncake":
         common["protocol"] = "tcp"
     prod = omni_ktc(
@@ -124,15 +135,17 @@ class Pair:
     cons: EngineProc
     started_s: float
     transport: str
+    #: the format each load reports: one copy, or packed pages
+    format: str
 
 
-@pytest.fixture(scope="module", params=PAIRS, ids=lambda p: "-".join(p))
+@pytest.fixture(scope="module", params=PAIRS)
 def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
-    name, transport = request.param
+    name, transport, one_copy = request.param
     model = MODELS[name]
     path = model.build()
     stack = contextlib.ExitStack()
-    prod_ktc, cons_ktc = _ktcs(transport, stack)
+    prod_ktc, cons_ktc = _ktcs(transport, one_copy, stack)
     t0 = time.monotonic()
     # vLLM picks the block size of a model with state layers (None: its default)
     kw = {"block_size": None, "max_model_len": 1024, "dtype": model.dtype,
@@ -144,7 +157,8 @@ def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
             (f"{name}-{transport}-consumer", engine_cfg(path, cons_ktc, **kw)),
         ) as (prod, cons),
     ):
-        yield Pair(model, path, prod, cons, time.monotonic() - t0, transport)
+        fmt = "shared_pages" if one_copy else "paged_blocks"
+        yield Pair(model, path, prod, cons, time.monotonic() - t0, transport, fmt)
 
 
 def _decode(pair: Pair, prompts: list[list[int]]) -> list[tuple[list[int], dict[str, Any]]]:
@@ -180,6 +194,7 @@ def test_state_pd_decodes_the_producers_tokens_and_moves_one_state_per_layer(pai
     for ids, (tokens, load), want in zip(prompts, _decode(pair, prompts), ref, strict=True):
         assert same_up_to_near_tie(tokens, want), (len(ids), tokens, want)
         assert load["ok"] is True and load["tokens"] == len(ids) - 1, load
+        assert load["format"] == pair.format, load
         check_state_load_bytes(m, load, len(ids), 0)
 
 
@@ -205,7 +220,8 @@ def test_state_pd_prefix_hits_on_the_consumer(pair: Pair) -> None:
     assert load["ok"] is True and load["tokens"] == len(longer) - 1 - local, load
     # Mooncake Store serves whole objects: the consumer fetches the whole payload and
     # writes only the blocks after its local prefix; the other transports read just those
-    check_state_load_bytes(m, load, len(longer), 0 if pair.transport in WHOLE_OBJECT else local)
+    local_read = 0 if pair.transport in WHOLE_OBJECT else local
+    check_state_load_bytes(m, load, len(longer), local_read)
     print(f"engine pair started in {pair.started_s:.1f}s")
 
 

@@ -1,7 +1,8 @@
 """P/D of a hybrid model with recurrent-state layers through ``vllm serve`` and the example
 proxy, with vLLM's defaults for it (hybrid KV cache manager on, prefix caching in "align"
 mode, vLLM's block size): a tiny random Qwen3-Next (three gated-delta-net layers and one
-full-attention layer, bfloat16 with a float32 SSM state) over shared memory.
+full-attention layer, bfloat16 with a float32 SSM state) over shared memory, one copy (shm's
+default: the consumer copies the attention and state pages out of the producer's cache).
 
 The reference is vLLM itself computing the same split: a plain engine (no connector) that
 prefills the prompt's first ``N - 1`` tokens as one chunk and its last token as a step of its
@@ -87,5 +88,7 @@ def test_serve_state_pd_equals_vllm_computing_the_same_split(
         assert got["choices"][0]["token_ids"] == want, (got["choices"][0]["token_ids"], want)
         load = got["kv_transfer_params"]["omni_kv_load"]
         assert load["ok"] is True and load["tokens"] == N - 1, load
+        # shm's default: the pages, states included, copied out of the producer's cache
+        assert load["format"] == "shared_pages", load
         check_state_load_bytes(MODEL, load, N, 0)
     assert wait_nothing_held(prefill, model) == 0

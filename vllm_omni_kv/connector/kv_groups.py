@@ -28,6 +28,7 @@ from vllm_omni_kv.kvcache.formats import InjectionPlan, plan_injection
 from vllm_omni_kv.kvcache.layer_windows import NULL_BLOCK, kept_from
 from vllm_omni_kv.kvcache.paged_blocks import BlocksPlan, is_block_payload, plan_block_injection
 from vllm_omni_kv.kvcache.shared_pages_plan import PageSource
+from vllm_omni_kv.kvcache.shared_states import StateTarget
 from vllm_omni_kv.transfer.parts import part_info, part_layer_count
 
 if TYPE_CHECKING:
@@ -215,9 +216,11 @@ def plan_shared(
     spec: LoadSpec,
     pages: PageSource | None,
     verify: bool,
+    states: Sequence[StateTarget] = (),
 ) -> InjectionPlan:
     """The plan of a shared-pages payload into a cache of several KV cache groups: each
-    layer's pages are copied into its group's blocks, from the first one it keeps."""
+    layer's pages are copied into its group's blocks, from the first one it keeps (and
+    each of ``states``, a hybrid model's state layers, its state page)."""
     ident = layers[0].ident
     bs = ident.block_size
     ids, starts = _layer_tables(
@@ -236,4 +239,5 @@ def plan_shared(
         verify=verify,
         layer_ids=ids,
         layer_first=starts,
+        states=states,
     )

@@ -61,7 +61,16 @@ class LoadRunner:
             source_tp or self.cfg.source_tp_size or self.tp_size, self.tp_size, self.tp_rank
         )
 
-    def failed(self, spec: LoadSpec, why: str, dt: float, **flags: bool) -> _Outcome:
+    def failed(
+        self,
+        spec: LoadSpec,
+        why: str,
+        dt: float,
+        *,
+        timed_out: bool = False,
+        refused: bool = False,
+        cancelled: bool = False,
+    ) -> _Outcome:
         first = spec.num_local_tokens // self.block_size
         n_blocks = -(-(spec.num_local_tokens + spec.num_load_tokens) // self.block_size)
         return _Outcome(
@@ -70,7 +79,9 @@ class LoadRunner:
             block_ids=list(spec.block_ids[first:n_blocks]),
             seconds=dt,
             error=why,
-            **flags,
+            timed_out=timed_out,
+            refused=refused,
+            cancelled=cancelled,
         )
 
     def load(
@@ -144,6 +155,7 @@ class LoadRunner:
             nbytes=got.moved,
             seconds=time.monotonic() - t0,
             write_seconds=got.write_seconds,
+            format=got.format,
         )
 
     def discard(self, d: RemotePayload) -> None:

@@ -24,6 +24,8 @@ class Outcome:
     timed_out: bool = False
     refused: bool = False  # the payload was refused (prompt, model, layout, bytes)
     cancelled: bool = False
+    #: the payload's format (``shared_pages``, ``paged_blocks``, ``token_major``)
+    format: str = ""
 
     @property
     def reason(self) -> str:
@@ -81,4 +83,5 @@ def report(
         "seconds": round(out.seconds, 6),
         "write_seconds": round(out.write_seconds, 6),
         "error": out.error,
+        **({"format": out.format} if out.ok and out.format else {}),
     }

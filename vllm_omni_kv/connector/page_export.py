@@ -2,8 +2,9 @@
 
 With a backend that exports the KV cache (:mod:`vllm_omni_kv.backends.cache_region`),
 the producer publishes block ids instead of bytes: a shared-pages payload naming the
-region, the layers' geometry in it and the request's blocks, under a hold that keeps
-the blocks until the consumer copied them (:mod:`.handoff` owns that lifetime).
+region, the layers' geometry in it and the request's blocks (and, for a hybrid model,
+each state layer's page: :mod:`~vllm_omni_kv.kvcache.shared_states`), under a hold that
+keeps the blocks until the consumer copied them (:mod:`.handoff` owns that lifetime).
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ from vllm_omni_kv.backends.cache_region import CacheRegion
 from vllm_omni_kv.connector.kv_groups import shared_tables
 from vllm_omni_kv.connector.metadata import SaveSpec
 from vllm_omni_kv.connector.receive import LayerCache
+from vllm_omni_kv.connector.state_layers import StateLayer, state_sources
+from vllm_omni_kv.errors import KVPayloadError
 from vllm_omni_kv.kvcache.shared_pages import describe_request, layer_geometry
+from vllm_omni_kv.kvcache.shared_states import STATES, describe_states, state_view
 from vllm_omni_kv.logger import init_logger
 from vllm_omni_kv.wire.payload import KVCacheTransferData
 
@@ -25,18 +29,31 @@ logger = init_logger(__name__)
 class PageExport:
     """The exported cache of one producer worker and the payloads that name its pages."""
 
-    def __init__(self, region: CacheRegion, desc: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        region: CacheRegion,
+        desc: dict[str, Any],
+        states: Sequence[StateLayer] = (),
+        span: tuple[int, int] = (0, 0),
+    ) -> None:
         self.region = region
         self.desc = desc  # {"region", "geometry"} of every payload
+        self.states = list(states)  # a hybrid model's state layers
+        self.span = span  # the region's (base address, bytes)
 
     @classmethod
     def create(
-        cls, region: CacheRegion, layers: Sequence[LayerCache], backend_name: str
+        cls,
+        region: CacheRegion,
+        layers: Sequence[LayerCache],
+        backend_name: str,
+        states: Sequence[StateLayer] = (),
     ) -> PageExport | None:
-        """The export of ``layers``; None (logged once: packed payloads are sent instead)
-        where the region cannot export them (a device cache it cannot register)."""
+        """The export of ``layers`` (and ``states``); None (logged once: packed payloads
+        are sent instead) where the region cannot export them (a device cache it cannot
+        register)."""
         caches = [x.cache for x in layers]
-        got = region.export(caches)
+        got = region.export(caches + [state_view(s.pages) for s in states])
         geometry = None if got is None else layer_geometry(caches, got[1], got[2])
         if got is None or geometry is None:
             logger.warning(
@@ -46,7 +63,14 @@ class PageExport:
                 caches[0].device if caches else "?",
             )
             return None
-        return cls(region, {"region": got[0], "geometry": geometry})
+        logger.info(
+            "OmniKVConnector: backend %s exports this engine's KV cache (%d attention and %d "
+            "state layers): payloads name its pages, consumers copy them out (one copy)",
+            backend_name,
+            len(layers),
+            len(states),
+        )
+        return cls(region, {"region": got[0], "geometry": geometry}, states, (got[1], got[2]))
 
     def ready(self, layers: Sequence[LayerCache]) -> None:
         """Return once the pages of ``layers`` are final: called once per step, before
@@ -57,13 +81,21 @@ class PageExport:
         self, spec: SaveSpec, layers: Sequence[LayerCache], hold: str, md: dict[str, Any]
     ) -> KVCacheTransferData:
         """The shared-pages payload of ``spec`` under ``hold`` (after :meth:`ready`)."""
+        shared = {**self.desc, "hold": hold}
+        if self.states:
+            sources = state_sources(self.states, spec)
+            got = describe_states(sources, *self.span, len(layers), self.region.digests)
+            if got is None:  # checked at export: every state view lies in the region
+                raise KVPayloadError("a state layer's pages lie outside the exported region")
+            shared[STATES], layouts = got
+            md = {**md, **layouts}
         return describe_request(
             spec.transfer_id,
             spec.block_ids,
             spec.num_tokens,
             [x.cache for x in layers],
             layers[0].ident,
-            {**self.desc, "hold": hold},
+            shared,
             digests=self.region.digests,
             metadata=md,
             groups=shared_tables(spec, layers),
@@ -71,13 +103,17 @@ class PageExport:
 
 
 def export_pages(
-    region: CacheRegion, layers: Sequence[LayerCache], backend_name: str, refusal: str | None
+    region: CacheRegion,
+    layers: Sequence[LayerCache],
+    backend_name: str,
+    refusal: str | None,
+    states: Sequence[StateLayer] = (),
 ) -> PageExport | None:
     """The one-copy export of a producer's cache in ``region``, or None, said once (the
     producer then sends packed payloads) where it cannot be: ``refusal``, the region
     unavailable, or the model runner never entered the allocation context.
     ``ConfigError`` when vLLM allocated the cache outside the region it asked for."""
-    caches = [x.cache for x in layers]
+    caches = [x.cache for x in layers] + [state_view(s.pages) for s in states]
     why = region.unavailable_reason or refusal
     if why is None and region.context_entered() is False:
         why = "this model runner never entered get_mem_pool_context (the cache is vLLM's)"
@@ -91,4 +127,4 @@ def export_pages(
         return None
     if caches[0].device.type == region.places:  # the region placed it: verify that
         region.check_placement(caches)
-    return PageExport.create(region, layers, backend_name)
+    return PageExport.create(region, layers, backend_name, states)

@@ -23,7 +23,7 @@ from vllm_omni_kv.connector.compat import COMPAT_KEY, CompatIdentity
 from vllm_omni_kv.connector.engine_layout import EngineLayout
 from vllm_omni_kv.connector.kv_groups import plan_shared
 from vllm_omni_kv.connector.metadata import LoadSpec
-from vllm_omni_kv.connector.state_layers import StateLayer, plan_payload
+from vllm_omni_kv.connector.state_layers import StateLayer, plan_payload, state_targets
 from vllm_omni_kv.errors import ConfigError, KVPayloadError
 from vllm_omni_kv.kvcache.cache_layout import KVLayoutId, block_kv
 from vllm_omni_kv.kvcache.device_order import DeviceEvent, mark, streams_of
@@ -34,7 +34,7 @@ from vllm_omni_kv.kvcache.kv_utils import (
     merge_received_rank_shards,
     slice_received_rank_shard,
 )
-from vllm_omni_kv.kvcache.meta import PayloadMeta
+from vllm_omni_kv.kvcache.meta import TOKEN_MAJOR, PayloadMeta
 from vllm_omni_kv.kvcache.paged_blocks import blocks_to_tokens, is_block_payload
 from vllm_omni_kv.kvcache.shared_pages import is_shared_payload
 from vllm_omni_kv.kvcache.shared_pages_plan import SharedPagesPlan
@@ -119,11 +119,13 @@ def check_payload(
 
 class Received(NamedTuple):
     """What a load did: tokens written, bytes moved, seconds spent verifying and writing
-    (the rest of a load is waiting for and opening the payload)."""
+    (the rest of a load is waiting for and opening the payload), and the payload's format
+    (``shared_pages``: one copy, ``paged_blocks``: packed pages, ``token_major``)."""
 
     tokens: int
     moved: int
     write_seconds: float
+    format: str
 
 
 @contextlib.contextmanager
@@ -171,8 +173,9 @@ def _plan(
     ident = layers[0].ident
     start = spec.num_local_tokens
     if spec.group_block_ids is not None:
-        if is_shared_payload(part) and not states:  # each group's pages, copied
-            return plan_shared(part, layers, spec, session.cache_region, session.verifies_frames)
+        if is_shared_payload(part):  # each group's pages (and state pages), copied
+            region, verify = session.cache_region, session.verifies_frames
+            return plan_shared(part, layers, spec, region, verify, state_targets(states, spec))
         return plan_payload(part, layers, states, spec)
     if is_shared_payload(part):  # the pages are copied from the producer's cache
         caches: list[Any] = [x.cache for x in layers]
@@ -218,17 +221,18 @@ def receive(
         block_size = layers[0].ident.block_size if layers else 0
         if len(keys) == 1 and not topo.is_heterogeneous:
             key, endpoint = keys[0]
-            moved, write = 0, 0.0
+            moved, write, fmt = 0, 0.0, ""
             for stream in session.open_parts(key, endpoint, deadline, cancel):
                 with stream:
                     part = stream.obj
                     check_payload(part, spec, block_size, compat)
+                    fmt = PayloadMeta.of(part).format
                     plan = _plan(part, layers, spec, session, states)
                     t0 = time.perf_counter()
                     plan.apply(stream, deadline, cancel)
                     write += time.perf_counter() - t0
                     moved += stream.moved + (plan.moved if isinstance(plan, SharedPagesPlan) else 0)
-            return Received(spec.num_load_tokens, moved, write)
+            return Received(spec.num_load_tokens, moved, write, fmt)
         return _receive_shards(session, layers, spec, keys, topo, deadline, cancel, compat)
 
 
@@ -272,4 +276,4 @@ def _receive_shards(
         start_token=spec.num_local_tokens,
         num_tokens=spec.num_prompt_tokens,
     )
-    return Received(spec.num_load_tokens, moved, time.perf_counter() - t0)
+    return Received(spec.num_load_tokens, moved, time.perf_counter() - t0, TOKEN_MAJOR)

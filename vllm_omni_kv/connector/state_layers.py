@@ -10,9 +10,10 @@ prompt's last token, which would apply it twice. So, as vLLM's NixlConnector doe
 
 * the producer prefills all but the prompt's last token (:func:`truncate_for_save`)
   and its payload holds the attention pages of those ``N - 1`` tokens plus one state
-  page per state layer, the state after them (:func:`extract_payload`);
+  page per state layer, the state after them (packed: :func:`extract_payload`; a
+  one-copy payload names the pages instead: :func:`state_sources`);
 * the consumer loads those ``N - 1`` tokens (:func:`payload_tokens`) and computes the
-  last one itself from the loaded state (:func:`plan_payload`).
+  last one itself from the loaded state (:func:`plan_payload`, :func:`state_targets`).
 
 The state's identity (shapes, dtypes, layer kind, conv state layout, mamba cache
 dtypes) travels in the payload; a consumer whose identity differs refuses it and
@@ -33,6 +34,7 @@ from vllm_omni_kv.kvcache.cache_layout import KVLayoutId
 from vllm_omni_kv.kvcache.device_staging import DeviceStager
 from vllm_omni_kv.kvcache.layer_windows import NULL_BLOCK
 from vllm_omni_kv.kvcache.paged_blocks import BlocksPlan, extract_request_blocks
+from vllm_omni_kv.kvcache.shared_states import StateSource, StateTarget
 from vllm_omni_kv.kvcache.state_pages import (
     STATE_LAYOUTS,
     STATE_PAGES,
@@ -146,15 +148,22 @@ def check_states_format(states: Sequence[StateLayer], paged_blocks: bool) -> Non
         )
 
 
-def one_copy_refusal(states: Sequence[StateLayer]) -> str | None:
-    """Why the one-copy modes cannot name this model's pages (None: they can; attention
-    layers of several KV cache groups, sliding window included, can)."""
-    if states:
-        return (
-            "the model keeps recurrent state (Mamba / GDN / short-conv layers), which "
-            "moves in packed payloads"
-        )
-    return None
+def state_sources(states: Sequence[StateLayer], spec: SaveSpec) -> list[StateSource]:
+    """Producer: each state layer's pages and the block holding ``spec``'s state (a
+    one-copy payload names them)."""
+    tables = spec.tables()
+    return [
+        StateSource(s.pages, s.ident, s.block(tables[s.group], spec.num_tokens)) for s in states
+    ]
+
+
+def state_targets(states: Sequence[StateLayer], spec: LoadSpec) -> list[StateTarget]:
+    """Consumer: each state layer's pages and the block ``spec``'s loaded state goes to."""
+    tables = spec.tables()
+    return [
+        StateTarget(s.pages, s.ident, s.block(tables[s.group], spec.num_prompt_tokens))
+        for s in states
+    ]
 
 
 def state_backoff(kv_cache_config: Any) -> int:

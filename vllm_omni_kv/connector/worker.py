@@ -53,7 +53,6 @@ from vllm_omni_kv.connector.state_layers import (
     StateLayer,
     check_states_format,
     extract_payload,
-    one_copy_refusal,
     split_states,
 )
 from vllm_omni_kv.connector.stats import OmniKVConnectorStats
@@ -225,10 +224,12 @@ class OmniKVWorker:
     def _export_pages(self) -> PageExport | None:
         """The one-copy export of this producer's cache, or None (packed payloads)."""
         assert self._region is not None
-        why = one_copy_refusal(self.states)
-        if why is None and not self.paged_blocks:
-            why = "producer and consumer TP sizes differ (token-major payloads)"
-        return export_pages(self._region, self.layers, self.cfg.backend_name, why)
+        why = (
+            None
+            if self.paged_blocks
+            else "producer and consumer TP sizes differ (token-major payloads)"
+        )
+        return export_pages(self._region, self.layers, self.cfg.backend_name, why, self.states)
 
     # -- send ----------------------------------------------------------------------------
     def _payload(self, spec: SaveSpec, hold: str = "") -> tuple[KVCacheTransferData, int]:

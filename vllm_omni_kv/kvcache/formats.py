@@ -13,6 +13,7 @@ from vllm_omni_kv.kvcache.meta import PAGED_BLOCKS, PayloadMeta
 from vllm_omni_kv.kvcache.paged_blocks import LayoutArg, plan_block_injection
 from vllm_omni_kv.kvcache.shared_pages import is_shared_payload
 from vllm_omni_kv.kvcache.shared_pages_plan import PageSource, SharedPagesPlan
+from vllm_omni_kv.kvcache.shared_states import StateTarget
 from vllm_omni_kv.kvcache.token_major import plan_token_injection
 from vllm_omni_kv.wire.stream import PayloadStream, Span
 
@@ -40,6 +41,7 @@ def plan_injection(
     verify: bool = True,
     layer_ids: Sequence[Sequence[int]] | None = None,
     layer_first: Sequence[int] | None = None,
+    states: Sequence[StateTarget] = (),
 ) -> InjectionPlan:
     """The plan that writes tokens ``[start_token, num_tokens)`` of ``data`` into ``block_ids``.
 
@@ -49,7 +51,8 @@ def plan_injection(
     (token-major: see ``normalize_layer_kv``). ``pages``: where a shared-pages payload's
     pages are copied from (the backend's cache region); ``verify``: check their digests.
     ``layer_ids``/``layer_first``: each local layer's own table and first block to write
-    (a shared-pages payload into a cache of several KV cache groups).
+    (a shared-pages payload into a cache of several KV cache groups); ``states``: the
+    local state layers a shared-pages payload of a hybrid model names pages of.
     """
     if is_shared_payload(data):
         if not isinstance(layout, KVLayoutId):
@@ -57,7 +60,7 @@ def plan_injection(
         first = start_token // max(1, layout.block_size)
         caches: list[Any] = list(kv_caches)
         return SharedPagesPlan(
-            data, pages, caches, layout, block_ids, first, verify, layer_ids, layer_first
+            data, pages, caches, layout, block_ids, first, verify, layer_ids, layer_first, states
         )
     meta = PayloadMeta.of(data)
     if meta.format == PAGED_BLOCKS:

@@ -61,7 +61,7 @@ def _int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _layer_geometry(g: Any) -> bool:
+def is_layer_geometry(g: Any) -> bool:
     """``[byte offset, shape (4 ints), stride (4 ints)]``."""
     return (
         isinstance(g, list)
@@ -84,7 +84,7 @@ def attach_layers(
     typed = region[: total - total % esize].view(dtype)
     views: list[torch.Tensor] = []
     for i, g in enumerate(geometry):
-        if not _layer_geometry(g):
+        if not is_layer_geometry(g):
             raise KVPayloadError(f"shared-pages payload: layer {i} geometry {g!r}")
         off, shape, stride = g[0], list(g[1]), list(g[2])
         if min(shape) < 1 or min(stride) < 0:

@@ -23,6 +23,7 @@ from vllm_omni_kv.kvcache.page_groups import GROUPS as SHARED_GROUPS
 from vllm_omni_kv.kvcache.page_groups import group_copies
 from vllm_omni_kv.kvcache.paged_blocks import KV_BLOCKS
 from vllm_omni_kv.kvcache.shared_pages import SHARED, attach_layers, shared_groups
+from vllm_omni_kv.kvcache.shared_states import SharedStates, StateTarget
 from vllm_omni_kv.wire.stream import PayloadStream, Span
 
 
@@ -56,7 +57,9 @@ class SharedPagesPlan:
 
     ``layer_ids``/``layer_first``: each local layer's own table and first block to write
     (a model with several KV cache groups); the payload's groups
-    (:mod:`~vllm_omni_kv.kvcache.page_groups`) say which producer blocks each holds."""
+    (:mod:`~vllm_omni_kv.kvcache.page_groups`) say which producer blocks each holds.
+    ``states``: the local state layers of a hybrid model, whose pages the payload names
+    too (:mod:`~vllm_omni_kv.kvcache.shared_states`); they are copied under the same hold."""
 
     def __init__(
         self,
@@ -69,6 +72,7 @@ class SharedPagesPlan:
         verify: bool,
         layer_ids: Sequence[Sequence[int]] | None = None,
         layer_first: Sequence[int] | None = None,
+        states: Sequence[StateTarget] = (),
     ) -> None:
         if source is None:
             raise KVPayloadError(
@@ -90,6 +94,7 @@ class SharedPagesPlan:
             raise KVPayloadError(f"first block {first_block} is outside the payload's {n} blocks")
         self.source, self.caches, self.ident = source, caches, ident
         self.copies = group_copies(groups, block_ids, first_block, n, layer_ids, layer_first)
+        self.states = SharedStates(self.shared, payload["metadata"], states, meta.num_layers)
         self.whole = len(self.copies) == 1 and self.copies[0].layers == list(range(len(caches)))
         self.verify = verify
         self.tokens = max(0, meta.num_tokens - first_block * meta.block_size)
@@ -107,7 +112,7 @@ class SharedPagesPlan:
         self, stream: PayloadStream, deadline: float, cancel: threading.Event | None = None
     ) -> int:
         copies = [c for c in self.copies if c.pairs]
-        if not copies:
+        if not copies and not self.states.calls:
             self.source.release(str(self.shared.get("hold")))
             return self.tokens
         geometry: list[Any] = self.shared["geometry"]  # checked: one entry per layer
@@ -124,6 +129,7 @@ class SharedPagesPlan:
                     None if sums is None else pick(sums),
                     c.first,
                 )
+            self.moved += self.states.copy(self.source, self.shared.get("region"), self.verify)
             if self.caches[0].device.type == "cuda":  # the blocks are read before the
                 torch.cuda.current_stream().synchronize()  # hold goes back
         return self.tokens

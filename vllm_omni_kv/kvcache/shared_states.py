@@ -1,0 +1,209 @@
+"""Recurrent-state pages in a shared-pages payload: copied straight from the producer's cache.
+
+A one-copy payload (:mod:`~vllm_omni_kv.kvcache.shared_pages`) of a hybrid model with
+state layers (Mamba, gated delta net, short conv) names each state layer's page beside
+its attention pages. ``metadata["shared"]["states"]`` is::
+
+    {"geometry": [per state layer: [byte offset, shape, stride] of its
+                  [blocks, 1, 1, C] uint8 view in the producer's region],
+     "blocks":   [per state layer: the producer block holding the state],
+     "sums":     [per state layer: the page's xxh3-64 digest] or None}
+
+and ``metadata["state_layouts"]`` each state layer's :class:`StateLayoutId`, keyed by
+its payload index (the attention layer count plus ``i``), as in a packed payload. ``C``
+is the state's content: the padding vLLM adds to a state block does not move. The
+consumer refuses a payload whose states do not match its own (count, identities) and
+copies each page into its own state block under the payload's hold, in one
+:meth:`PageSource.copy_into` call per block pair.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from vllm_omni_kv.errors import KVPayloadError
+from vllm_omni_kv.kvcache.cache_layout import KVLayoutId, page_view
+from vllm_omni_kv.kvcache.shared_pages import is_layer_geometry, layer_geometry, page_sums
+from vllm_omni_kv.kvcache.state_pages import STATE_LAYOUTS, StateLayoutId
+
+if TYPE_CHECKING:
+    from vllm_omni_kv.kvcache.shared_pages_plan import PageSource
+
+STATES = "states"
+#: state layers one payload may name (hostile-input bound; real models have < 100)
+MAX_STATES = 1024
+
+
+def copy_ident(content_bytes: int) -> KVLayoutId:
+    """The page identity a state page is copied under: one opaque cell of ``C`` bytes per
+    block (a "packed" page of one head and one token), so every cache region's page
+    copy moves it byte for byte."""
+    return KVLayoutId("packed", "LBHNC", "uint8", 1, 1, 1, int(content_bytes), 1)
+
+
+def state_view(pages: torch.Tensor) -> torch.Tensor:
+    """The ``[blocks, 1, 1, C]`` view of a state layer's ``[blocks, C]`` uint8 pages."""
+    return pages[:, None, None, :]
+
+
+@dataclass(frozen=True)
+class StateSource:
+    """Producer: one state layer's pages, identity and the block holding the request's
+    state."""
+
+    pages: torch.Tensor  # ``[blocks, C]`` uint8
+    ident: StateLayoutId
+    block: int
+
+
+def describe_states(
+    states: Sequence[StateSource],
+    base_ptr: int,
+    nbytes: int,
+    first_index: int,
+    digests: bool,
+) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """``(the shared "states" field, the "state_layouts" metadata)`` of ``states`` in the
+    region ``[base_ptr, base_ptr + nbytes)``; None when a state view lies outside it.
+    ``first_index``: the payload index of the first state layer."""
+    views = [state_view(s.pages) for s in states]
+    geometry = layer_geometry(views, base_ptr, nbytes)
+    if geometry is None:
+        return None
+    for s in states:
+        if not 0 <= s.block < int(s.pages.shape[0]):
+            raise KVPayloadError(f"state block {s.block} outside [0, {int(s.pages.shape[0])})")
+    sums = None
+    if digests:
+        sums = [
+            page_sums([page_view(v, copy_ident(s.ident.content_bytes))], [s.block])[0][0]
+            for v, s in zip(views, states, strict=True)
+        ]
+    field = {"geometry": geometry, "blocks": [s.block for s in states], "sums": sums}
+    layouts = {str(first_index + i): s.ident.to_dict() for i, s in enumerate(states)}
+    return field, {STATE_LAYOUTS: layouts}
+
+
+@dataclass(frozen=True)
+class StateTarget:
+    """Consumer: one local state layer's pages, identity and the block its state goes to."""
+
+    pages: torch.Tensor  # ``[blocks, C]`` uint8
+    ident: StateLayoutId
+    block: int
+
+
+@dataclass(frozen=True)
+class StateCopyCall:
+    """One copy call: state layers (payload order) sharing a block pair and a page size."""
+
+    layers: list[int]
+    pair: tuple[int, int]
+    content_bytes: int
+
+
+def _ints(raw: Any, n: int, what: str) -> list[int]:
+    if (
+        not isinstance(raw, list)
+        or len(raw) != n
+        or not all(isinstance(x, int) and not isinstance(x, bool) for x in raw)
+    ):
+        raise KVPayloadError(f"shared-pages payload: state {what} must be {n} integers")
+    return list(raw)
+
+
+class SharedStates:
+    """The state copies of one shared-pages payload into ``targets``, checked before
+    anything is read: ``KVPayloadError`` for a malformed field, a state count or
+    identity that differs from the local model's (the consumer then recomputes)."""
+
+    def __init__(
+        self,
+        shared: dict[str, Any],
+        metadata: dict[str, Any],
+        targets: Sequence[StateTarget],
+        first_index: int,
+    ) -> None:
+        raw = shared.get(STATES)
+        if raw is None and not targets:
+            self.geometry: list[Any] = []
+            self.sums: list[int] | None = None
+            self.calls: list[StateCopyCall] = []
+            self.targets: list[StateTarget] = []
+            return
+        if raw is None or not targets:
+            have, want = ("no", "keeps") if raw is None else ("", "does not keep")
+            raise KVPayloadError(
+                f"the payload carries {have} recurrent state (Mamba / GDN / short-conv "
+                f"layers), which this model {want}: serve the same hybrid model on both stages"
+            )
+        n = len(targets)
+        if not isinstance(raw, dict) or n > MAX_STATES:
+            raise KVPayloadError("shared-pages payload: malformed states field")
+        geometry = raw.get("geometry")
+        if not isinstance(geometry, list) or len(geometry) != n:
+            raise KVPayloadError(
+                f"shared-pages payload: state geometry for {n} layers expected (this model's)"
+            )
+        blocks = _ints(raw.get("blocks"), n, "blocks")
+        sums = raw.get("sums")
+        self.sums = None if sums is None else _ints(sums, n, "digests")
+        self.geometry, self.targets = geometry, list(targets)
+        self.calls = self._plan(metadata, blocks, first_index)
+
+    def _plan(
+        self, metadata: dict[str, Any], blocks: list[int], first_index: int
+    ) -> list[StateCopyCall]:
+        declared = metadata.get(STATE_LAYOUTS)
+        if not isinstance(declared, dict):
+            raise KVPayloadError("shared-pages payload: no state layouts")
+        calls: dict[tuple[int, int, int], list[int]] = {}
+        for i, (t, src) in enumerate(zip(self.targets, blocks, strict=True)):
+            theirs = StateLayoutId.of(declared.get(str(first_index + i)))
+            if theirs != t.ident:
+                raise KVPayloadError(
+                    f"state layer {i}: the payload's state ({theirs.describe()}) differs from "
+                    f"this engine's ({t.ident.describe()}); serve both stages with the same "
+                    "model, dtype, mamba cache dtypes and conv state layout"
+                )
+            if not 0 <= t.block < int(t.pages.shape[0]):
+                raise KVPayloadError(f"state layer {i}: local state block {t.block} out of range")
+            g = self.geometry[i]
+            want = [1, 1, t.ident.content_bytes]
+            if (
+                not is_layer_geometry(g)
+                or g[1][1:] != want
+                or min(g[2]) < 0
+                or not 0 <= src < g[1][0]
+            ):
+                raise KVPayloadError(
+                    f"shared-pages payload: state layer {i}'s geometry {g!r} or block {src} "
+                    f"does not fit its [blocks, {', '.join(map(str, want))}] state pages"
+                )
+            calls.setdefault((src, t.block, t.ident.content_bytes), []).append(i)
+        return [StateCopyCall(ls, (s, d), c) for (s, d, c), ls in calls.items()]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the copies move (one state page per layer)."""
+        return sum(t.ident.content_bytes for t in self.targets)
+
+    def copy(self, source: PageSource, descriptor: Any, verify: bool) -> int:
+        """Copy every state page (under the payload's hold); bytes copied."""
+        moved = 0
+        for call in self.calls:
+            ident = copy_ident(call.content_bytes)
+            moved += source.copy_into(
+                descriptor,
+                [self.geometry[i] for i in call.layers],
+                ident,
+                [state_view(self.targets[i].pages) for i in call.layers],
+                [call.pair],
+                None if self.sums is None or not verify else [[self.sums[i]] for i in call.layers],
+                0,
+            )
+        return moved
