@@ -102,14 +102,14 @@ def _configs(name: str, base: dict[str, Any]) -> tuple[dict[str, Any], dict[str,
     return prod, cons, {}
 
 
-def _generate(eng: EngineProc, prompts: list[list[int]], n: int, params: Any = None) -> dict:
+def generate_checked(eng: EngineProc, prompts: list[list[int]], n: int, params: Any = None) -> dict:
     r = eng.generate(prompts, n, params, timeout=900.0)
     if "error" in r:
         raise RuntimeError(f"generate failed: {r['error']}\n{eng.tail()}")
     return r
 
 
-def _start(name: str, cfgs: list[dict[str, Any]], env: dict[str, str], logs: Path) -> list:
+def start_pair(name: str, cfgs: list[dict[str, Any]], env: dict[str, str], logs: Path) -> list:
     nixl = cfgs[2].get("nixl", False)
     engines = []
     for role, cfg in zip(("producer", "consumer"), cfgs[:2], strict=True):
@@ -128,23 +128,23 @@ def _start(name: str, cfgs: list[dict[str, Any]], env: dict[str, str], logs: Pat
 def run_config(
     name: str, base: dict[str, Any], prompts: list[list[int]], env: dict[str, str], a: Any
 ) -> dict[str, Any]:
-    prod, cons = _start(name, list(_configs(name, base)), env, a.logs)
+    prod, cons = start_pair(name, list(_configs(name, base)), env, a.logs)
     try:
-        want = [o["token_ids"] for o in _generate(prod, prompts, 4)["outputs"]]
+        want = [o["token_ids"] for o in generate_checked(prod, prompts, 4)["outputs"]]
         ttfts: list[float] = []
         loads: list[dict[str, Any]] = []
         for i in range(a.repeats + 1):  # the first round warms both engines up
-            pre = _generate(prod, prompts, 1, [PREFILL] * len(prompts))
+            pre = generate_checked(prod, prompts, 1, [PREFILL] * len(prompts))
             params = [o["kv_transfer_params"] for o in pre["outputs"]]
             t0 = time.perf_counter()
-            got = _generate(cons, prompts, 1, params)
+            got = generate_checked(cons, prompts, 1, params)
             if i:
                 ttfts.append(time.perf_counter() - t0)
             loads = [
                 (o["kv_transfer_params"] or {}).get("omni_kv_load", {}) for o in got["outputs"]
             ]
-        pre = _generate(prod, prompts, 1, [PREFILL] * len(prompts))
-        full = _generate(cons, prompts, 4, [o["kv_transfer_params"] for o in pre["outputs"]])
+        pre = generate_checked(prod, prompts, 1, [PREFILL] * len(prompts))
+        full = generate_checked(cons, prompts, 4, [o["kv_transfer_params"] for o in pre["outputs"]])
         match = sum(o["token_ids"] == w for o, w in zip(full["outputs"], want, strict=True))
     finally:
         prod.stop()
@@ -154,7 +154,7 @@ def run_config(
             "loads_ok": sum(bool(x.get("ok")) for x in loads), "tokens_match": match}  # fmt: skip
 
 
-def _plot(rows: dict[str, dict[str, Any]], path: Path, title: str) -> None:
+def plot_rows(rows: dict[str, dict[str, Any]], path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -167,7 +167,7 @@ def _plot(rows: dict[str, dict[str, Any]], path: Path, title: str) -> None:
         (axes[1], [rows[n]["ttft_s"] for n in names], "consumer TTFT, whole batch (s)"),
     )
     for ax, vals, label in panels:
-        bars = ax.bar(names, vals, color=["#2a7ab0", "#888888", "#5aa05a"][: len(names)])
+        bars = ax.bar(names, vals, color=["#2a7ab0", "#888888", "#5aa05a", "#c07a2a"][: len(names)])
         ax.set_ylabel(label)
         for b, v in zip(bars, vals, strict=True):
             ax.annotate(f"{v:.3g}", (b.get_x() + b.get_width() / 2, v), ha="center", va="bottom")
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
            "load_average": os.getloadavg(), "logs": str(a.logs)}  # fmt: skip
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "hybrid_bench.json").write_text(json.dumps(out, indent=2) + "\n")
-    _plot(rows, a.out / "hybrid_bench.png",
+    plot_rows(rows, a.out / "hybrid_bench.png",
           f"Gemma 3-shaped, {a.layers} layers (window {a.window}), {a.prompts} x {a.prompt_tokens} tokens")  # fmt: skip
     print(json.dumps(summary))
 

@@ -22,6 +22,30 @@ def tiny_model(spec: TinyModelSpec | None = None) -> Path:
 #: on layer 3 (vLLM's hybrid KV cache manager gives each its own KV cache group)
 GEMMA3_WINDOW = 64
 GEMMA3_LAYERS = ("sliding_attention",) * 3 + ("full_attention",)
+#: its block size on this CPU and one block of one layer: 2 KV heads of 64, K and V, float32
+GEMMA3_BLOCK = 32
+GEMMA3_PAGE = 2 * GEMMA3_BLOCK * 2 * 64 * 4
+
+
+def gemma3_blocks(n: int) -> int:
+    """Blocks holding ``n`` tokens."""
+    return -(-n // GEMMA3_BLOCK)
+
+
+def gemma3_window_start(n: int) -> int:
+    """The first block a sliding layer keeps after ``n`` tokens (vLLM's rule)."""
+    return max(0, n - GEMMA3_WINDOW + 1) // GEMMA3_BLOCK
+
+
+def gemma3_pages(n: int, local: int = 0) -> int:
+    """Pages a load of tokens ``[local, n)`` moves: every full layer's from the local hit,
+    every sliding layer's from the later of the hit and its window."""
+    full = gemma3_blocks(n) - local // GEMMA3_BLOCK
+    sliding = gemma3_blocks(n) - max(local // GEMMA3_BLOCK, gemma3_window_start(n))
+    return (
+        GEMMA3_LAYERS.count("full_attention") * full
+        + GEMMA3_LAYERS.count("sliding_attention") * sliding
+    )
 
 
 def tiny_gemma3() -> Path:

@@ -1,21 +1,26 @@
 """P/D of a hybrid model with vLLM's hybrid KV cache manager on: a tiny random Gemma 3
 (``tests/_models.tiny_gemma3``: a 64-token sliding window on layers 0-2, full attention
-on layer 3, float32, blocks of 32) between two in-process engines over shared memory.
+on layer 3, float32, blocks of 32) between two in-process engines, one copy over shared
+memory (shm's default) and over Mooncake's Transfer Engine (``register_cache``: the
+consumer reads each group's pages out of the producer's registered cache over TCP).
 
 Asserted: the consumer decodes the producer's own greedy tokens for every prompt; each
 load moves whole pages for every block of the full-attention layer and only the window's
 blocks of each sliding layer (vLLM's rule: after ``n`` tokens a window of ``w`` keeps
 blocks from ``(n - w + 1) // 32``); ``remote_block_ids`` holds one list per KV cache
 group; a prompt cached on the consumer loads only the blocks after its local hit. The
-payloads are shm's default, one copy: each prefill leaves a hold on the producer's blocks
-(a shared-pages payload; a packed one holds none), a load moves exactly its pages plus a
-descriptor under 4 KiB, and the producer never logs a fallback to packed payloads. A
-request aborted while its load waits is cancelled at once and gives back every block.
+payloads are one copy: over shared memory each prefill leaves a hold on the producer's
+blocks (a shared-pages payload; a packed one holds none), every load reports the
+``shared_pages`` format and moves exactly its pages plus a descriptor under 4 KiB, and the
+producer never logs a fallback to packed payloads. A request aborted while its load waits
+is cancelled at once and gives back every block.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +28,15 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from _models import GEMMA3_LAYERS, GEMMA3_WINDOW, tiny_gemma3  # noqa: E402
+from _models import (  # noqa: E402
+    GEMMA3_BLOCK,
+    GEMMA3_LAYERS,
+    GEMMA3_PAGE,
+    gemma3_blocks,
+    gemma3_pages,
+    gemma3_window_start,
+    tiny_gemma3,
+)
 from pd_helpers import (  # noqa: E402
     LOG_DIR,
     NAMESPACE,
@@ -37,29 +50,14 @@ from pd_helpers import (  # noqa: E402
 )
 
 from vllm_omni_kv.backends.shm.inventory import inventory  # noqa: E402
+from vllm_omni_kv.testing.net import free_port  # noqa: E402
 
-BS = 32
-PAGE = 2 * BS * 2 * 64 * 4  # one block of one layer: 2 KV heads of 64, K and V, float32
+BS = GEMMA3_BLOCK
+PAGE = GEMMA3_PAGE
 SLIDING = GEMMA3_LAYERS.count("sliding_attention")
 FULL = GEMMA3_LAYERS.count("full_attention")
 REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False}
-
-
-def _blocks(n: int) -> int:
-    return -(-n // BS)
-
-
-def _window_start(n: int) -> int:
-    """The first block a sliding layer keeps after ``n`` tokens."""
-    return max(0, n - GEMMA3_WINDOW + 1) // BS
-
-
-def _pages(n: int, local: int = 0) -> int:
-    """Pages a load of tokens ``[local, n)`` moves: every full layer from the local hit,
-    every sliding layer from the later of the hit and its window."""
-    full = _blocks(n) - local // BS
-    sliding = _blocks(n) - max(local // BS, _window_start(n))
-    return FULL * full + SLIDING * sliding
+_blocks, _window_start, _pages = gemma3_blocks, gemma3_window_start, gemma3_pages
 
 
 @pytest.fixture(scope="module")
@@ -67,13 +65,48 @@ def gemma() -> Path:
     return tiny_gemma3()
 
 
-@pytest.fixture(scope="module")
-def pair(gemma: Path) -> Iterator[tuple[EngineProc, EngineProc]]:
+@dataclass
+class Pair:
+    prod: EngineProc
+    cons: EngineProc
+    transport: str
+    name: str  # the engines' log name prefix
+
+
+def _ktcs(transport: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    if transport == "shm":
+        return omni_ktc("kv_producer"), omni_ktc("kv_consumer")
+    common = {"host": "127.0.0.1", "protocol": "tcp", "memory_pool_size": 16 << 20,
+              "register_cache": True}  # fmt: skip
+    return (
+        omni_ktc("kv_producer", backend=transport,
+                 backend_extra={**common, "role": "sender", "zmq_port": free_port()}),
+        omni_ktc("kv_consumer", backend=transport, recv_timeout=15,
+                 backend_extra={**common, "role": "receiver", "side_channel_timeout_s": 1.0}),
+    )  # fmt: skip
+
+
+@pytest.fixture(
+    scope="module",
+    params=[
+        "shm",
+        pytest.param(
+            "mooncake",
+            marks=pytest.mark.skipif(
+                importlib.util.find_spec("mooncake") is None, reason="no Mooncake wheel"
+            ),
+        ),
+    ],
+)
+def pair(request: pytest.FixtureRequest, gemma: Path) -> Iterator[Pair]:
+    transport = request.param
+    name = f"hybrid-{transport}"
+    prod_ktc, cons_ktc = _ktcs(transport)
     with engines(
-        ("hybrid-producer", engine_cfg(gemma, omni_ktc("kv_producer"))),
-        ("hybrid-consumer", engine_cfg(gemma, omni_ktc("kv_consumer"))),
+        (f"{name}-producer", engine_cfg(gemma, prod_ktc)),
+        (f"{name}-consumer", engine_cfg(gemma, cons_ktc)),
     ) as (prod, cons):
-        yield prod, cons
+        yield Pair(prod, cons, transport, name)
 
 
 def _prefill(prod: EngineProc, prompts: list[list[int]]) -> list[dict[str, Any]]:
@@ -83,29 +116,33 @@ def _prefill(prod: EngineProc, prompts: list[list[int]]) -> list[dict[str, Any]]
 
 
 def _decode(
-    prod: EngineProc, cons: EngineProc, prompts: list[list[int]]
+    pair: Pair, prompts: list[list[int]]
 ) -> list[tuple[list[int], dict[str, Any], dict[str, Any]]]:
     """``(tokens, omni_kv_load, the producer's params)`` of each prompt, decoded by the
     consumer from the producer's prefill."""
-    params = _prefill(prod, prompts)
-    assert inventory(NAMESPACE).holds >= len(prompts)  # one copy: the blocks are held
-    r = cons.generate(prompts, max_tokens=16, kv_transfer_params=params)
+    params = _prefill(pair.prod, prompts)
+    if pair.transport == "shm":  # one copy: the blocks are held (hold files)
+        assert inventory(NAMESPACE).holds >= len(prompts)
+    r = pair.cons.generate(prompts, max_tokens=16, kv_transfer_params=params)
     assert "error" not in r, r
-    return [
+    out = [
         (o["token_ids"], o["kv_transfer_params"]["omni_kv_load"], p)
         for o, p in zip(r["outputs"], params, strict=True)
     ]
+    for _tokens, load, _params in out:
+        assert load.get("format", "shared_pages") == "shared_pages", load  # absent: local hit
+    return out
 
 
 def test_hybrid_pd_moves_each_layer_its_blocks_and_decodes_the_producers_tokens(
-    pair: tuple[EngineProc, EngineProc], gemma: Path
+    pair: Pair, gemma: Path
 ) -> None:
-    prod, cons = pair
+    prod = pair.prod
     prompts = [long_prompt(gemma, 300, seed=7), *make_prompts(gemma, 2, seed=3)]
     ref = prod.generate(prompts, max_tokens=16)  # the producer as an ordinary engine
     assert "error" not in ref, ref
     for ids, (tokens, load, params), want in zip(
-        prompts, _decode(prod, cons, prompts), ref["outputs"], strict=True
+        prompts, _decode(pair, prompts), ref["outputs"], strict=True
     ):
         n = len(ids)
         assert tokens == want["token_ids"]
@@ -118,7 +155,7 @@ def test_hybrid_pd_moves_each_layer_its_blocks_and_decodes_the_producers_tokens(
         ), groups
 
     # the same prompts again: the consumer's prefix cache holds all but the last block
-    again = _decode(prod, cons, prompts)
+    again = _decode(pair, prompts)
     for ids, (tokens, load, _params), want in zip(prompts, again, ref["outputs"], strict=True):
         n = len(ids)
         local = n - load["tokens"]
@@ -126,17 +163,16 @@ def test_hybrid_pd_moves_each_layer_its_blocks_and_decodes_the_producers_tokens(
         assert load["ok"] is True and 0 < local < n and local % BS == 0, load
         assert load["bytes"] // PAGE == _pages(n, local), (n, local, load)
         assert 0 < load["bytes"] % PAGE < 4096, load
-    log = (LOG_DIR / "hybrid-producer.log").read_text(errors="replace")
+    log = (LOG_DIR / f"{pair.name}-producer.log").read_text(errors="replace")
     assert "sends packed payloads" not in log and "packed payloads instead" not in log
 
 
 def test_an_abort_while_loading_frees_every_group_and_the_next_load_is_exact(
-    pair: tuple[EngineProc, EngineProc], gemma: Path
+    pair: Pair, gemma: Path
 ) -> None:
-    prod, cons = pair
     prompt = long_prompt(gemma, 200, seed=41)
-    ((tokens, load, params),) = _decode(prod, cons, [prompt])
+    ((tokens, load, params),) = _decode(pair, [prompt])
     assert load["ok"] is True, load
-    assert_abort_while_loading_frees_every_block(cons, prompt, params)
-    ((again, load, _params),) = _decode(prod, cons, [prompt])
+    assert_abort_while_loading_frees_every_block(pair.cons, prompt, params)
+    ((again, load, _params),) = _decode(pair, [prompt])
     assert again == tokens and load["ok"] is True, load
