@@ -176,3 +176,45 @@ def tiny_granite_hybrid() -> Path:
         model.save_pretrained(str(tmp), safe_serialization=True)
 
     return _write_atomic(MODEL_CACHE / "granite-hybrid-tiny-v3", build)
+
+
+#: the tiny LFM2's layers: gated short convolution on 0, 1 and 3, full attention on 2
+LFM2_LAYERS = ("conv",) * 2 + ("full_attention", "conv")
+
+
+def tiny_lfm2() -> Path:
+    """A tiny random LFM2 (gated short convolutions and attention, built with
+    ``transformers``): 3 short-conv layers (kernel 3, state (2, 256)) and one
+    full-attention layer (2 KV heads of 64), float32."""
+    import torch
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+
+    def build(tmp: Path) -> None:
+        cfg = Lfm2Config(
+            vocab_size=2048,
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=len(LFM2_LAYERS),
+            layer_types=list(LFM2_LAYERS),
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            conv_L_cache=3,
+            conv_bias=False,
+            block_multiple_of=256,
+            block_ffn_dim_multiplier=1.0,
+            block_auto_adjust_ff_dim=True,
+            block_dim=256,  # vLLM reads these two (real LFM2 configs carry them)
+            conv_dim=256,
+            max_position_embeddings=4096,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=2,
+            tie_word_embeddings=True,
+            initializer_range=0.1,  # peaked logits: fewer near ties than 0.02's
+        )
+        torch.manual_seed(0)
+        model = Lfm2ForCausalLM(cfg).to(torch.float32)
+        model.config.architectures = ["Lfm2ForCausalLM"]
+        model.save_pretrained(str(tmp), safe_serialization=True)
+
+    return _write_atomic(MODEL_CACHE / "lfm2-tiny-v1", build)

@@ -82,7 +82,7 @@ COST_S = {
     "tests/connector/test_pd_hetero_tp.py": 142,
     "tests/connector/test_faults.py": 138,
     "tests/test_foundation.py": 92,
-    "tests/connector/test_pd_state.py": 85,
+    "tests/connector/test_pd_state.py": 110,  # estimated: an LFM2 pair added
     "tests/connector/test_serve_state.py": 70,
     "tests/connector/test_serve_hybrid.py": 70,  # estimated (added after that run)
     "tests/backends/nixl/test_serve_nixl.py": 82,

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from _models import tiny_granite_hybrid, tiny_qwen3_next
+from _models import tiny_granite_hybrid, tiny_lfm2, tiny_qwen3_next
 
 #: bytes a load moves besides its pages: a packed frame's header and digests, or a one-copy
 #: payload's descriptor (region, geometry, block ids, digests); 1.3-1.6 KB measured for
@@ -39,6 +39,8 @@ class Hybrid:
     state: int
     #: None: vLLM's default (on: "align" mode); False: "none" mode, one state block
     prefix_caching: bool | None = None
+    #: the prefix-hit test's prompt seed (its reference's first tokens are no near ties)
+    prefix_seed: int = 11
 
 
 MODELS = {
@@ -60,6 +62,11 @@ MODELS = {
         (3 * 256 + 4 * 32 * 64) * 4,
         prefix_caching=False,
     ),  # fmt: skip
+    # LFM2's gated short convolutions: one conv state (2, 256) float32 per layer (vLLM's
+    # SHORT_CONV); attention: 2 KV heads of 64, float32
+    "lfm2": Hybrid(
+        tiny_lfm2, "float32", 128, 1, 128 * 2 * 2 * 64 * 4, 3, 2 * 256 * 4, prefix_seed=17
+    ),
 }
 
 

@@ -8,10 +8,11 @@ plus ``kv_transfer_config``; ``"in_process": true`` runs the engine core and its
 in this one process (vLLM's ``InprocClient`` and ``uni`` executor, TP 1 only: one
 interpreter start instead of three). Commands: ``{"cmd": "generate", "prompts":
 [[token ids]...], "max_tokens": n, "kv_transfer_params": [dict|None...],
-"logprobs": k}``, ``{"cmd": "abort_while_loading", "prompt": [token ids],
+"logprobs": k, "cache_salt": s}``, ``{"cmd": "abort_while_loading", "prompt": [token ids],
 "kv_transfer_params": dict}`` (in-process engines: :func:`_abort_while_loading`) and
 ``{"cmd": "exit"}``; with ``logprobs`` each output carries ``top2``, the two highest
-logprobs per generated token.
+logprobs per generated token; ``cache_salt`` keeps the prompts' cached blocks apart from
+those of prompts with another salt (vLLM's prefix-cache salt).
 """
 
 from __future__ import annotations
@@ -148,7 +149,8 @@ def _generate(llm: Any, req: dict[str, Any], sampling_params: Any) -> dict[str, 
         )
         for p in params
     ]
-    prompts: Any = [{"prompt_token_ids": ids} for ids in req["prompts"]]
+    salt = {"cache_salt": str(req["cache_salt"])} if req.get("cache_salt") else {}
+    prompts: Any = [{"prompt_token_ids": ids, **salt} for ids in req["prompts"]]
     t0 = time.perf_counter()
     try:
         outs = llm.generate(prompts, sps, use_tqdm=False)
@@ -276,9 +278,12 @@ class EngineProc:
         kv_transfer_params: list[dict[str, Any] | None] | None = None,
         timeout: float = 180.0,
         logprobs: int | None = None,
+        cache_salt: str | None = None,
     ) -> dict[str, Any]:
         assert self.proc.stdin is not None
         msg: dict[str, Any] = {"cmd": "generate", "prompts": prompts, "max_tokens": max_tokens}
+        if cache_salt:
+            msg["cache_salt"] = cache_salt
         if kv_transfer_params is not None:
             msg["kv_transfer_params"] = kv_transfer_params
         if logprobs is not None:
