@@ -68,16 +68,16 @@ def write_model(out: Path, layers: int, v_heads: int, kv_heads: int) -> Path:
 
 def page_geometry(a: Any) -> tuple[int, int, int, int, int]:
     """``(attention layers, state layers, state bytes, block size, attention page bytes)``:
-    vLLM 0.32 makes an attention block hold a state page (its block size: the smallest power
-    of two, at least 32, whose attention page is at least the state page)."""
+    vLLM 0.32 makes an attention page hold a state page: its block size is the smallest
+    multiple of the kernel alignment (128 on CPU, vLLM's default block size there) whose page
+    is at least the state page (``vllm/platforms/interface.py``)."""
     attn = sum(1 for i in range(a.layers) if i % 4 == 3)
     k_heads, dim = max(1, a.v_heads // 2), 128
     conv = 3 * (2 * k_heads * dim + a.v_heads * dim) * 2  # (kernel - 1) x conv dim, bfloat16
     state = conv + a.v_heads * dim * dim * 4  # float32 SSM state (mamba_ssm_cache_dtype)
     per_token = 2 * a.kv_heads * 128 * 2
-    block = 32
-    while block * per_token < state:
-        block *= 2
+    align = 128
+    block = align * -(-state // (align * per_token))
     return attn, a.layers - attn, state, block, block * per_token
 
 
