@@ -85,14 +85,19 @@ def expected_bytes(lengths: list[int], layers: int, window: int, page: int, hma:
     return total
 
 
+def nixl_configs(base: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict]:
+    """Producer and consumer configs of vLLM's ``NixlConnector`` (UCX, CPU buffers)."""
+    ktc = {"kv_connector": "NixlConnector", "kv_buffer_device": "cpu",
+           "kv_connector_extra_config": {"backends": ["UCX"]}}  # fmt: skip
+    prod = {**base, "kv_transfer_config": {**ktc, "kv_role": "kv_producer"}}
+    cons = {**base, "kv_transfer_config": {**ktc, "kv_role": "kv_consumer"}}
+    return prod, cons, {"nixl": True}
+
+
 def _configs(name: str, base: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict]:
     """Producer config, consumer config, and per-engine environment of ``name``."""
     if name == "nixl_connector":
-        ktc = {"kv_connector": "NixlConnector", "kv_buffer_device": "cpu",
-               "kv_connector_extra_config": {"backends": ["UCX"]}}  # fmt: skip
-        prod = {**base, "kv_transfer_config": {**ktc, "kv_role": "kv_producer"}}
-        cons = {**base, "kv_transfer_config": {**ktc, "kv_role": "kv_consumer"}}
-        return prod, cons, {"nixl": True}
+        return nixl_configs(base)
     hma_off = name == "omnikv_hma_off"
     cfg = {**base, "disable_hybrid_kv_cache_manager": True} if hma_off else base
     ktc = {"kv_connector": "OmniKVConnector", "kv_connector_extra_config": {"backend": "shm"}}
@@ -125,10 +130,13 @@ def start_pair(name: str, cfgs: list[dict[str, Any]], env: dict[str, str], logs:
     return engines
 
 
-def run_config(
-    name: str, base: dict[str, Any], prompts: list[list[int]], env: dict[str, str], a: Any
+def measure_pair(
+    name: str, cfgs: tuple[dict, dict, dict], prompts: list[list[int]], env: dict, a: Any
 ) -> dict[str, Any]:
-    prod, cons = start_pair(name, list(_configs(name, base)), env, a.logs)
+    """Consumer TTFT of the batch (median of ``a.repeats`` after a warm-up round), the bytes
+    and formats of its loads, and the prompts whose first 4 tokens equal the producer's own,
+    for the producer and consumer configs ``cfgs`` (:func:`start_pair`)."""
+    prod, cons = start_pair(name, list(cfgs), env, a.logs)
     try:
         want = [o["token_ids"] for o in generate_checked(prod, prompts, 4)["outputs"]]
         ttfts: list[float] = []
@@ -150,8 +158,10 @@ def run_config(
         prod.stop()
         cons.stop()
     moved = sum(int(x.get("bytes", 0)) for x in loads) if loads and loads[0] else None
+    formats = sorted({str(x.get("format")) for x in loads if x.get("ok")})
     return {"ttft_s": statistics.median(ttfts), "ttft_samples": ttfts, "bytes_moved": moved,
-            "loads_ok": sum(bool(x.get("ok")) for x in loads), "tokens_match": match}  # fmt: skip
+            "loads_ok": sum(bool(x.get("ok")) for x in loads), "formats": formats,
+            "tokens_match": match}  # fmt: skip
 
 
 def plot_rows(rows: dict[str, dict[str, Any]], path: Path, title: str) -> None:
@@ -218,7 +228,8 @@ def main(argv: list[str] | None = None) -> None:
         hma = name != "omnikv_hma_off"
         want = expected_bytes(lengths, a.layers, a.window, page, hma)
         try:
-            rows[name] = {**run_config(name, base, prompts, env, a), "expected_bytes": want}
+            got = measure_pair(name, _configs(name, base), prompts, env, a)
+            rows[name] = {**got, "expected_bytes": want}
         except Exception as e:  # record why a configuration could not run
             rows[name] = {"error": f"{type(e).__name__}: {str(e)[-1500:]}"}
         print(name, json.dumps({k: v for k, v in rows[name].items() if k != "ttft_samples"}))

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hybrid_bench import PREFILL, generate_checked, plot_rows, start_pair
+from hybrid_bench import generate_checked, measure_pair, nixl_configs, plot_rows
 
 from vllm_omni_kv.testing.engine_proc import EngineProc
 
@@ -89,11 +89,7 @@ def expected_bytes(lengths: list[int], a: Any) -> int:
 def _configs(name: str, base: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict]:
     """Producer config, consumer config, and per-engine flags of a P/D configuration."""
     if name == "nixl_connector":
-        ktc = {"kv_connector": "NixlConnector", "kv_buffer_device": "cpu",
-               "kv_connector_extra_config": {"backends": ["UCX"]}}  # fmt: skip
-        prod = {**base, "kv_transfer_config": {**ktc, "kv_role": "kv_producer"}}
-        cons = {**base, "kv_transfer_config": {**ktc, "kv_role": "kv_consumer"}}
-        return prod, cons, {"nixl": True}
+        return nixl_configs(base)
     extra = {"share_cache": name == "omnikv_one_copy"}
     ktc = {"kv_connector": "OmniKVConnector",
            "kv_connector_extra_config": {"backend": "shm", "backend_extra": extra}}  # fmt: skip
@@ -117,35 +113,6 @@ def run_recompute(base: dict[str, Any], prompts: list[list[int]], env: dict, a: 
     finally:
         eng.stop()
     return {"ttft_s": statistics.median(ttfts), "ttft_samples": ttfts, "bytes_moved": 0}
-
-
-def run_pd(name: str, base: dict[str, Any], prompts: list[list[int]], env: dict, a: Any) -> dict:
-    prod, cons = start_pair(name, list(_configs(name, base)), env, a.logs)
-    try:
-        want = [o["token_ids"] for o in generate_checked(prod, prompts, 4)["outputs"]]
-        ttfts: list[float] = []
-        loads: list[dict[str, Any]] = []
-        for i in range(a.repeats + 1):  # the first round warms both engines up
-            pre = generate_checked(prod, prompts, 1, [PREFILL] * len(prompts))
-            params = [o["kv_transfer_params"] for o in pre["outputs"]]
-            t0 = time.perf_counter()
-            got = generate_checked(cons, prompts, 1, params)
-            if i:
-                ttfts.append(time.perf_counter() - t0)
-            loads = [
-                (o["kv_transfer_params"] or {}).get("omni_kv_load", {}) for o in got["outputs"]
-            ]
-        pre = generate_checked(prod, prompts, 1, [PREFILL] * len(prompts))
-        full = generate_checked(cons, prompts, 4, [o["kv_transfer_params"] for o in pre["outputs"]])
-        match = sum(o["token_ids"] == w for o, w in zip(full["outputs"], want, strict=True))
-    finally:
-        prod.stop()
-        cons.stop()
-    moved = sum(int(x.get("bytes", 0)) for x in loads) if loads and loads[0] else None
-    formats = sorted({str(x.get("format")) for x in loads if x.get("ok")})
-    return {"ttft_s": statistics.median(ttfts), "ttft_samples": ttfts, "bytes_moved": moved,
-            "loads_ok": sum(bool(x.get("ok")) for x in loads), "formats": formats,
-            "tokens_match": match}  # fmt: skip
 
 
 def _summary(rows: dict[str, dict[str, Any]]) -> dict[str, float]:
@@ -191,8 +158,8 @@ def main(argv: list[str] | None = None) -> None:
             if name == "recompute":
                 rows[name] = run_recompute(base, prompts, env, a)
             else:
-                rows[name] = {**run_pd(name, base, prompts, env, a),
-                              "expected_bytes": expected_bytes(lengths, a)}  # fmt: skip
+                got = measure_pair(name, _configs(name, base), prompts, env, a)
+                rows[name] = {**got, "expected_bytes": expected_bytes(lengths, a)}
         except Exception as e:  # record why a configuration could not run
             rows[name] = {"error": f"{type(e).__name__}: {str(e)[-1500:]}"}
         print(name, json.dumps({k: v for k, v in rows[name].items() if k != "ttft_samples"}))

@@ -119,3 +119,30 @@ def shm_namespace(prefix: str) -> Iterator[str]:
     for n in left:
         arena.unlink_quiet(n)
     assert not left, f"left in /dev/shm: {sorted(left)}"
+
+
+class ShmRegions:
+    """A producer's shared-memory cache region in namespace ``ns`` holding ``nbytes`` of
+    random bytes (``seed``), and a consumer's region that reads producers' regions."""
+
+    def __init__(self, ns: str, nbytes: int, seed: int) -> None:
+        from vllm_omni_kv.backends.shm import arena
+        from vllm_omni_kv.backends.shm.cache_region import ShmCacheRegion
+        from vllm_omni_kv.backends.shm.producer import ProducerArena
+
+        self.arena = ProducerArena(0, namespace=ns)
+        self.region = ShmCacheRegion(ns, self.arena, arena.STALE_S)
+        self.reader_arena = ProducerArena(0, namespace=ns)
+        self.reader = ShmCacheRegion(ns, self.reader_arena, arena.STALE_S)
+        flat = self.region.allocate(nbytes + (1 << 20))
+        assert flat is not None, self.region.unavailable_reason
+        g = torch.Generator().manual_seed(seed)
+        #: the producer's cache bytes, the start of the region's allocation
+        self.cache = flat[:nbytes].view(torch.uint8)
+        self.cache.copy_(torch.randint(0, 256, (nbytes,), generator=g, dtype=torch.uint8))
+
+    def close(self) -> None:
+        self.reader.close()
+        self.region.close()
+        self.reader_arena.close()
+        self.arena.close()

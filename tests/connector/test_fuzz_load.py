@@ -30,13 +30,11 @@ import msgpack
 import pytest
 import torch
 from _frame_forge import header_paths, repack, split
-from _kv_fixtures import GuardedLayers, reference_kv, shm_namespace
+from _kv_fixtures import GuardedLayers, ShmRegions, reference_kv, shm_namespace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vllm_omni_kv.backends.shm import arena
-from vllm_omni_kv.backends.shm.cache_region import ShmCacheRegion
-from vllm_omni_kv.backends.shm.producer import ProducerArena
 from vllm_omni_kv.connector.engine_layout import EngineLayout
 from vllm_omni_kv.connector.metadata import LoadSpec
 from vllm_omni_kv.connector.receive import check_payload, layer_caches, token_caches
@@ -66,23 +64,14 @@ GUARD = 4096  # bytes of known pattern before, between and after the local layer
 KINDS = ("paged_blocks", "token_major", "shared_pages")
 
 
-class Producer:
+class Producer(ShmRegions):
     """The producer's cache in a real shared-memory cache segment, its three payloads
     framed, and the consumer's view of that region."""
 
     def __init__(self, ns: str) -> None:
-        self.arena = ProducerArena(0, namespace=ns)
-        self.region = ShmCacheRegion(ns, self.arena, arena.STALE_S)
-        self.reader_arena = ProducerArena(0, namespace=ns)
-        self.reader = ShmCacheRegion(ns, self.reader_arena, arena.STALE_S)
-        flat = self.region.allocate(LAYERS * LAYER_BYTES + (1 << 20))
-        assert flat is not None, self.region.unavailable_reason
-        g = torch.Generator().manual_seed(11)
-        flat[: LAYERS * LAYER_BYTES].copy_(
-            torch.randint(-128, 128, (LAYERS * LAYER_BYTES,), generator=g, dtype=torch.int8)
-        )
+        super().__init__(ns, LAYERS * LAYER_BYTES, seed=11)
         self.caches = [
-            flat[i * LAYER_BYTES : (i + 1) * LAYER_BYTES]
+            self.cache[i * LAYER_BYTES : (i + 1) * LAYER_BYTES]
             .view(torch.bfloat16)
             .view(NBLOCKS, HEADS, BS, 2 * DIM)
             for i in range(LAYERS)
@@ -138,10 +127,7 @@ class Producer:
 
     def close(self) -> None:
         self.region.release(self.region.hold_name("prefill", "decode", "k"))
-        self.reader.close()
-        self.region.close()
-        self.reader_arena.close()
-        self.arena.close()
+        super().close()
 
 
 @pytest.fixture(scope="module")

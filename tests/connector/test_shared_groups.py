@@ -19,11 +19,8 @@ from typing import Any
 
 import pytest
 import torch
-from _kv_fixtures import GuardedLayers, shm_namespace
+from _kv_fixtures import GuardedLayers, ShmRegions, shm_namespace
 
-from vllm_omni_kv.backends.shm import arena
-from vllm_omni_kv.backends.shm.cache_region import ShmCacheRegion
-from vllm_omni_kv.backends.shm.producer import ProducerArena
 from vllm_omni_kv.connector.engine_layout import EngineLayout
 from vllm_omni_kv.connector.kv_groups import plan_shared
 from vllm_omni_kv.connector.metadata import LoadSpec, SaveSpec
@@ -52,22 +49,13 @@ PROD_TABLES = [[0, 0, 0, 0, 9, 10, 11], [1, 2, 3, 4, 5, 6, 7]]
 CONS_TABLES = [[0, 0, 0, 0, 3, 5, 8], [2, 4, 6, 12, 13, 14, 15]]
 
 
-class Producer:
+class Producer(ShmRegions):
     """A producer cache in a real shm cache segment, exported, and a consumer's reader."""
 
     def __init__(self, ns: str) -> None:
-        self.arena = ProducerArena(0, namespace=ns)
-        self.region = ShmCacheRegion(ns, self.arena, arena.STALE_S)
-        self.reader_arena = ProducerArena(0, namespace=ns)
-        self.reader = ShmCacheRegion(ns, self.reader_arena, arena.STALE_S)
-        flat = self.region.allocate(LAYERS * LAYER_BYTES + (1 << 20))
-        assert flat is not None, self.region.unavailable_reason
-        g = torch.Generator().manual_seed(5)
-        flat[: LAYERS * LAYER_BYTES].copy_(
-            torch.randint(-128, 128, (LAYERS * LAYER_BYTES,), generator=g, dtype=torch.int8)
-        )
+        super().__init__(ns, LAYERS * LAYER_BYTES, seed=5)
         caches = [
-            flat[i * LAYER_BYTES : (i + 1) * LAYER_BYTES]
+            self.cache[i * LAYER_BYTES : (i + 1) * LAYER_BYTES]
             .view(torch.bfloat16)
             .view(NBLOCKS, HEADS, BS, 2 * DIM)
             for i in range(LAYERS)
@@ -88,12 +76,6 @@ class Producer:
 
     def page(self, layer: int, block: int) -> torch.Tensor:
         return self.layers[layer].cache[block].reshape(-1).view(torch.uint8).clone()
-
-    def close(self) -> None:
-        self.reader.close()
-        self.region.close()
-        self.reader_arena.close()
-        self.arena.close()
 
 
 def _grouped(caches: dict[str, torch.Tensor]) -> list[LayerCache]:

@@ -20,11 +20,8 @@ from typing import Any
 
 import pytest
 import torch
-from _kv_fixtures import shm_namespace
+from _kv_fixtures import ShmRegions, shm_namespace
 
-from vllm_omni_kv.backends.shm import arena
-from vllm_omni_kv.backends.shm.cache_region import ShmCacheRegion
-from vllm_omni_kv.backends.shm.producer import ProducerArena
 from vllm_omni_kv.connector.engine_layout import EngineLayout
 from vllm_omni_kv.connector.kv_groups import plan_shared
 from vllm_omni_kv.connector.metadata import LoadSpec, SaveSpec
@@ -68,19 +65,12 @@ def _layers(raw: torch.Tensor, ident: StateLayoutId = IDENT) -> tuple[LayerCache
     return layer, states
 
 
-class Producer:
+class Producer(ShmRegions):
     """The hybrid cache in a real shm cache segment, exported, and a consumer's reader."""
 
     def __init__(self, ns: str) -> None:
-        self.arena = ProducerArena(0, namespace=ns)
-        self.region = ShmCacheRegion(ns, self.arena, arena.STALE_S)
-        self.reader_arena = ProducerArena(0, namespace=ns)
-        self.reader = ShmCacheRegion(ns, self.reader_arena, arena.STALE_S)
-        flat = self.region.allocate(NBLOCKS * PAGE + (1 << 20))
-        assert flat is not None, self.region.unavailable_reason
-        g = torch.Generator().manual_seed(5)
-        self.raw = flat[: NBLOCKS * PAGE].view(torch.uint8)
-        self.raw.copy_(torch.randint(0, 256, (NBLOCKS * PAGE,), generator=g, dtype=torch.uint8))
+        super().__init__(ns, NBLOCKS * PAGE, seed=5)
+        self.raw = self.cache
         layer, self.states = _layers(self.raw)
         self.layers = [layer]
         export = PageExport.create(self.region, self.layers, "shm", self.states)
@@ -96,12 +86,6 @@ class Producer:
 
     def block(self, b: int) -> torch.Tensor:
         return self.raw.view(NBLOCKS, PAGE)[b].clone()
-
-    def close(self) -> None:
-        self.reader.close()
-        self.region.close()
-        self.reader_arena.close()
-        self.arena.close()
 
 
 @pytest.fixture(scope="module")
