@@ -145,7 +145,8 @@ def kv_configs(name: str, namespace: str, store: Path) -> tuple[dict[str, Any], 
         cons = json.loads((EXAMPLE / f"consumer{suffix}").read_text())
         for cfg in (prod, cons):
             extra = cfg["kv_connector_extra_config"]
-            extra["backend_extra"] = {**extra.get("backend_extra", {}), "namespace": namespace}
+            if name != "omnikv_mooncake":  # shared memory's setting (mooncake refuses it)
+                extra["backend_extra"] = {**extra.get("backend_extra", {}), "namespace": namespace}
             if name == "omnikv_shm_v2_calls":
                 cfg["kv_connector"] = "V2CallsOmniKVConnector"
                 cfg["kv_connector_module_path"] = "vllm_omni_kv.testing.v2_calls"
