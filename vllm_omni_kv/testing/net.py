@@ -2,12 +2,43 @@
 
 from __future__ import annotations
 
+import random
 import socket
 import time
 
-from vllm_omni_kv.backends.net import free_port
+from vllm_omni_kv.backends import net
 
 __all__ = ["free_port", "free_port_block", "wait_for_port"]
+
+#: the lowest port :func:`free_port` hands out
+LOW_PORT = 20000
+_RANDOM = random.SystemRandom()
+
+
+def ephemeral_floor() -> int:
+    """The first port of the kernel's ephemeral range (source ports, binds to port 0)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now, for a server the caller starts next. It is picked at
+    random below the kernel's ephemeral range: a port from ``bind(0)`` can be taken, before
+    the server binds it, by any connection's source port (a test engine failed to bind its
+    side channel so in CI); random, so that concurrent callers rarely pick the same one."""
+    high = ephemeral_floor() - 1
+    for _ in range(200 if high - LOW_PORT >= 1000 else 0):
+        port = _RANDOM.randint(LOW_PORT, high)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    return net.free_port(host)
 
 
 def free_port_block(n: int, host: str = "127.0.0.1", attempts: int = 200) -> int:
