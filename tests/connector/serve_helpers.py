@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -133,6 +134,22 @@ def serve_pd(
     finally:
         for p in reversed(procs):
             _stop(p)
+
+
+@contextlib.contextmanager
+def serve_shm_pd(model_dir: Path, name: str, model_flags: list[str]) -> Iterator[tuple[str, str]]:
+    """:func:`serve_pd` over shared memory (its default, one copy) in a namespace of its
+    own, workers in the engine cores; the dead segments it may leave are swept after."""
+    extra = {"namespace": f"{name}-{uuid.uuid4().hex[:8]}"}
+    producer = ktc("kv_producer", "shm", extra, send_ttl=60)
+    consumer = ktc("kv_consumer", "shm", extra, recv_timeout=30)
+    try:
+        with serve_pd(
+            model_dir, producer, consumer, name, worker_in_core=True, model_flags=model_flags
+        ) as urls:
+            yield urls
+    finally:
+        sweep_dead_segments()
 
 
 def complete(base: str, model: str, body: dict[str, Any]) -> dict[str, Any]:

@@ -15,7 +15,6 @@ producer gives its payloads back.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,8 +23,8 @@ import pytest
 pytest.importorskip("vllm")
 
 from _models import GEMMA3_BLOCK, GEMMA3_PAGE, gemma3_pages, tiny_gemma3  # noqa: E402
-from pd_helpers import long_prompt, make_prompts, sweep_dead_segments  # noqa: E402
-from serve_helpers import GREEDY, complete, ktc, serve_pd, wait_nothing_held  # noqa: E402
+from pd_helpers import long_prompt, make_prompts  # noqa: E402
+from serve_helpers import GREEDY, complete, serve_shm_pd, wait_nothing_held  # noqa: E402
 
 FLAGS = ["--dtype", "float32", "--max-model-len", "1024", "--block-size", str(GEMMA3_BLOCK)]
 
@@ -34,16 +33,8 @@ FLAGS = ["--dtype", "float32", "--max-model-len", "1024", "--block-size", str(GE
 def deployment() -> Iterator[tuple[Path, str, str]]:
     """``(model, producer URL, proxy URL)`` of a producer and a consumer ``vllm serve``."""
     path = tiny_gemma3()
-    extra = {"namespace": f"serve-hybrid-{uuid.uuid4().hex[:8]}"}
-    producer = ktc("kv_producer", "shm", extra, send_ttl=60)
-    consumer = ktc("kv_consumer", "shm", extra, recv_timeout=30)
-    try:
-        with serve_pd(
-            path, producer, consumer, "hybrid-serve", worker_in_core=True, model_flags=FLAGS
-        ) as (prefill, proxy):
-            yield path, prefill, proxy
-    finally:
-        sweep_dead_segments()
+    with serve_shm_pd(path, "hybrid-serve", FLAGS) as (prefill, proxy):
+        yield path, prefill, proxy
 
 
 def _tokens(base: str, model: str, ids: list[int], **extra: str) -> tuple[list[int], dict]:

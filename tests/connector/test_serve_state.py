@@ -18,7 +18,6 @@ prompts); docs/transfers.md has the numbers.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,8 +25,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from pd_helpers import engine_cfg, engines, long_prompt, sweep_dead_segments  # noqa: E402
-from serve_helpers import GREEDY, complete, ktc, serve_pd, wait_nothing_held  # noqa: E402
+from pd_helpers import engine_cfg, engines, long_prompt  # noqa: E402
+from serve_helpers import GREEDY, complete, serve_shm_pd, wait_nothing_held  # noqa: E402
 from state_models import MODELS, check_state_load_bytes  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -42,16 +41,8 @@ N = 300
 def deployment() -> Iterator[tuple[Path, str, str]]:
     """``(model, producer URL, proxy URL)`` of a producer and a consumer ``vllm serve``."""
     path = MODEL.build()
-    extra = {"namespace": f"serve-state-{uuid.uuid4().hex[:8]}"}
-    producer = ktc("kv_producer", "shm", extra, send_ttl=60)
-    consumer = ktc("kv_consumer", "shm", extra, recv_timeout=30)
-    try:
-        with serve_pd(
-            path, producer, consumer, "state-serve", worker_in_core=True, model_flags=FLAGS
-        ) as (prefill, proxy):
-            yield path, prefill, proxy
-    finally:
-        sweep_dead_segments()
+    with serve_shm_pd(path, "state-serve", FLAGS) as (prefill, proxy):
+        yield path, prefill, proxy
 
 
 def _split_reference(path: Path, prompts: list[list[int]]) -> list[list[int]]:

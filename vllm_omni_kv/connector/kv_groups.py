@@ -28,7 +28,7 @@ from vllm_omni_kv.kvcache.formats import InjectionPlan, plan_injection
 from vllm_omni_kv.kvcache.layer_windows import NULL_BLOCK, kept_from
 from vllm_omni_kv.kvcache.paged_blocks import BlocksPlan, is_block_payload, plan_block_injection
 from vllm_omni_kv.kvcache.shared_pages_plan import PageSource
-from vllm_omni_kv.kvcache.shared_states import StateTarget
+from vllm_omni_kv.kvcache.shared_states import StatePage
 from vllm_omni_kv.transfer.parts import part_info, part_layer_count
 
 if TYPE_CHECKING:
@@ -216,7 +216,7 @@ def plan_shared(
     spec: LoadSpec,
     pages: PageSource | None,
     verify: bool,
-    states: Sequence[StateTarget] = (),
+    states: Sequence[StatePage] = (),
 ) -> InjectionPlan:
     """The plan of a shared-pages payload into a cache of several KV cache groups: each
     layer's pages are copied into its group's blocks, from the first one it keeps (and

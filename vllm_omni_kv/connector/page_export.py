@@ -17,9 +17,13 @@ from vllm_omni_kv.connector.kv_groups import shared_tables
 from vllm_omni_kv.connector.metadata import SaveSpec
 from vllm_omni_kv.connector.receive import LayerCache
 from vllm_omni_kv.connector.state_layers import StateLayer, state_sources
-from vllm_omni_kv.errors import KVPayloadError
 from vllm_omni_kv.kvcache.shared_pages import describe_request, layer_geometry
-from vllm_omni_kv.kvcache.shared_states import STATES, describe_states, state_view
+from vllm_omni_kv.kvcache.shared_states import (
+    STATES,
+    describe_states,
+    state_geometry,
+    state_view,
+)
 from vllm_omni_kv.logger import init_logger
 from vllm_omni_kv.wire.payload import KVCacheTransferData
 
@@ -34,12 +38,12 @@ class PageExport:
         region: CacheRegion,
         desc: dict[str, Any],
         states: Sequence[StateLayer] = (),
-        span: tuple[int, int] = (0, 0),
+        state_geometry: list[list[Any]] | None = None,
     ) -> None:
         self.region = region
         self.desc = desc  # {"region", "geometry"} of every payload
         self.states = list(states)  # a hybrid model's state layers
-        self.span = span  # the region's (base address, bytes)
+        self.state_geometry = state_geometry or []  # where their views lie in the region
 
     @classmethod
     def create(
@@ -55,7 +59,9 @@ class PageExport:
         caches = [x.cache for x in layers]
         got = region.export(caches + [state_view(s.pages) for s in states])
         geometry = None if got is None else layer_geometry(caches, got[1], got[2])
-        if got is None or geometry is None:
+        pages = [s.pages for s in states]
+        states_at = None if got is None else state_geometry(pages, got[1], got[2])
+        if got is None or geometry is None or states_at is None:
             logger.warning(
                 "OmniKVConnector: backend %s cannot export this engine's KV cache (on %s): "
                 "sending packed payloads instead",
@@ -70,7 +76,7 @@ class PageExport:
             len(layers),
             len(states),
         )
-        return cls(region, {"region": got[0], "geometry": geometry}, states, (got[1], got[2]))
+        return cls(region, {"region": got[0], "geometry": geometry}, states, states_at)
 
     def ready(self, layers: Sequence[LayerCache]) -> None:
         """Return once the pages of ``layers`` are final: called once per step, before
@@ -84,10 +90,9 @@ class PageExport:
         shared = {**self.desc, "hold": hold}
         if self.states:
             sources = state_sources(self.states, spec)
-            got = describe_states(sources, *self.span, len(layers), self.region.digests)
-            if got is None:  # checked at export: every state view lies in the region
-                raise KVPayloadError("a state layer's pages lie outside the exported region")
-            shared[STATES], layouts = got
+            shared[STATES], layouts = describe_states(
+                sources, self.state_geometry, len(layers), self.region.digests
+            )
             md = {**md, **layouts}
         return describe_request(
             spec.transfer_id,

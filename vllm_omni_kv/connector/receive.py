@@ -89,8 +89,9 @@ def token_caches(layers: Sequence[LayerCache]) -> list[LayerKV]:
 
 def check_payload(
     payload: dict[str, Any], spec: LoadSpec, block_size: int, compat: CompatIdentity | None = None
-) -> None:
-    """Refuse a payload (or part) that was not produced for this request, model and cache."""
+) -> PayloadMeta:
+    """Refuse a payload (or part) that was not produced for this request, model and cache;
+    its metadata when it was."""
     md = payload.get("metadata") if isinstance(payload, dict) else None
     if not isinstance(md, dict) or md.get("prompt_digest") != spec.prompt_digest:
         raise KVPayloadError(
@@ -115,6 +116,7 @@ def check_payload(
             f"payload was cut in blocks of {meta.block_size} tokens, this engine uses "
             f"{block_size}: producer and consumer must use the same block_size"
         )
+    return meta
 
 
 class Received(NamedTuple):
@@ -225,8 +227,7 @@ def receive(
             for stream in session.open_parts(key, endpoint, deadline, cancel):
                 with stream:
                     part = stream.obj
-                    check_payload(part, spec, block_size, compat)
-                    fmt = PayloadMeta.of(part).format
+                    fmt = check_payload(part, spec, block_size, compat).format
                     plan = _plan(part, layers, spec, session, states)
                     t0 = time.perf_counter()
                     plan.apply(stream, deadline, cancel)

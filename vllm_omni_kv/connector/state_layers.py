@@ -34,7 +34,7 @@ from vllm_omni_kv.kvcache.cache_layout import KVLayoutId
 from vllm_omni_kv.kvcache.device_staging import DeviceStager
 from vllm_omni_kv.kvcache.layer_windows import NULL_BLOCK
 from vllm_omni_kv.kvcache.paged_blocks import BlocksPlan, extract_request_blocks
-from vllm_omni_kv.kvcache.shared_states import StateSource, StateTarget
+from vllm_omni_kv.kvcache.shared_states import StatePage
 from vllm_omni_kv.kvcache.state_pages import (
     STATE_LAYOUTS,
     STATE_PAGES,
@@ -148,20 +148,18 @@ def check_states_format(states: Sequence[StateLayer], paged_blocks: bool) -> Non
         )
 
 
-def state_sources(states: Sequence[StateLayer], spec: SaveSpec) -> list[StateSource]:
+def state_sources(states: Sequence[StateLayer], spec: SaveSpec) -> list[StatePage]:
     """Producer: each state layer's pages and the block holding ``spec``'s state (a
     one-copy payload names them)."""
     tables = spec.tables()
-    return [
-        StateSource(s.pages, s.ident, s.block(tables[s.group], spec.num_tokens)) for s in states
-    ]
+    return [StatePage(s.pages, s.ident, s.block(tables[s.group], spec.num_tokens)) for s in states]
 
 
-def state_targets(states: Sequence[StateLayer], spec: LoadSpec) -> list[StateTarget]:
+def state_targets(states: Sequence[StateLayer], spec: LoadSpec) -> list[StatePage]:
     """Consumer: each state layer's pages and the block ``spec``'s loaded state goes to."""
     tables = spec.tables()
     return [
-        StateTarget(s.pages, s.ident, s.block(tables[s.group], spec.num_prompt_tokens))
+        StatePage(s.pages, s.ident, s.block(tables[s.group], spec.num_prompt_tokens))
         for s in states
     ]
 

@@ -13,7 +13,7 @@ from vllm_omni_kv.kvcache.meta import PAGED_BLOCKS, PayloadMeta
 from vllm_omni_kv.kvcache.paged_blocks import LayoutArg, plan_block_injection
 from vllm_omni_kv.kvcache.shared_pages import is_shared_payload
 from vllm_omni_kv.kvcache.shared_pages_plan import PageSource, SharedPagesPlan
-from vllm_omni_kv.kvcache.shared_states import StateTarget
+from vllm_omni_kv.kvcache.shared_states import StatePage
 from vllm_omni_kv.kvcache.token_major import plan_token_injection
 from vllm_omni_kv.wire.stream import PayloadStream, Span
 
@@ -41,7 +41,7 @@ def plan_injection(
     verify: bool = True,
     layer_ids: Sequence[Sequence[int]] | None = None,
     layer_first: Sequence[int] | None = None,
-    states: Sequence[StateTarget] = (),
+    states: Sequence[StatePage] = (),
 ) -> InjectionPlan:
     """The plan that writes tokens ``[start_token, num_tokens)`` of ``data`` into ``block_ids``.
 

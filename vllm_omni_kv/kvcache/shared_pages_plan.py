@@ -23,7 +23,7 @@ from vllm_omni_kv.kvcache.page_groups import GROUPS as SHARED_GROUPS
 from vllm_omni_kv.kvcache.page_groups import group_copies
 from vllm_omni_kv.kvcache.paged_blocks import KV_BLOCKS
 from vllm_omni_kv.kvcache.shared_pages import SHARED, attach_layers, shared_groups
-from vllm_omni_kv.kvcache.shared_states import SharedStates, StateTarget
+from vllm_omni_kv.kvcache.shared_states import SharedStates, StatePage
 from vllm_omni_kv.wire.stream import PayloadStream, Span
 
 
@@ -72,7 +72,7 @@ class SharedPagesPlan:
         verify: bool,
         layer_ids: Sequence[Sequence[int]] | None = None,
         layer_first: Sequence[int] | None = None,
-        states: Sequence[StateTarget] = (),
+        states: Sequence[StatePage] = (),
     ) -> None:
         if source is None:
             raise KVPayloadError(

@@ -28,14 +28,16 @@ import torch
 from vllm_omni_kv.errors import KVPayloadError
 from vllm_omni_kv.kvcache.cache_layout import KVLayoutId, page_view
 from vllm_omni_kv.kvcache.shared_pages import is_layer_geometry, layer_geometry, page_sums
-from vllm_omni_kv.kvcache.state_pages import STATE_LAYOUTS, StateLayoutId
+from vllm_omni_kv.kvcache.state_pages import (
+    STATE_LAYOUTS,
+    StateLayoutId,
+    check_declared_state,
+)
 
 if TYPE_CHECKING:
     from vllm_omni_kv.kvcache.shared_pages_plan import PageSource
 
 STATES = "states"
-#: state layers one payload may name (hostile-input bound; real models have < 100)
-MAX_STATES = 1024
 
 
 def copy_ident(content_bytes: int) -> KVLayoutId:
@@ -51,50 +53,43 @@ def state_view(pages: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class StateSource:
-    """Producer: one state layer's pages, identity and the block holding the request's
-    state."""
+class StatePage:
+    """One state layer's pages, identity and the block of a request's state (the producer's
+    block holding it, or the consumer's block it goes to)."""
 
     pages: torch.Tensor  # ``[blocks, C]`` uint8
     ident: StateLayoutId
     block: int
 
 
+def state_geometry(
+    pages: Sequence[torch.Tensor], base_ptr: int, nbytes: int
+) -> list[list[Any]] | None:
+    """Where each state layer's ``[blocks, 1, 1, C]`` view of ``pages`` lies in the region
+    ``[base_ptr, base_ptr + nbytes)``; None when one lies outside it."""
+    return layer_geometry([state_view(p) for p in pages], base_ptr, nbytes)
+
+
 def describe_states(
-    states: Sequence[StateSource],
-    base_ptr: int,
-    nbytes: int,
-    first_index: int,
-    digests: bool,
-) -> tuple[dict[str, Any], dict[str, Any]] | None:
-    """``(the shared "states" field, the "state_layouts" metadata)`` of ``states`` in the
-    region ``[base_ptr, base_ptr + nbytes)``; None when a state view lies outside it.
+    states: Sequence[StatePage], geometry: list[list[Any]], first_index: int, digests: bool
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(the shared "states" field, the "state_layouts" metadata)`` of ``states``, whose
+    views lie at ``geometry`` (:func:`state_geometry`) in the exported region.
     ``first_index``: the payload index of the first state layer."""
-    views = [state_view(s.pages) for s in states]
-    geometry = layer_geometry(views, base_ptr, nbytes)
-    if geometry is None:
-        return None
     for s in states:
         if not 0 <= s.block < int(s.pages.shape[0]):
             raise KVPayloadError(f"state block {s.block} outside [0, {int(s.pages.shape[0])})")
     sums = None
     if digests:
         sums = [
-            page_sums([page_view(v, copy_ident(s.ident.content_bytes))], [s.block])[0][0]
-            for v, s in zip(views, states, strict=True)
-        ]
-    field = {"geometry": geometry, "blocks": [s.block for s in states], "sums": sums}
+            page_sums([page_view(state_view(s.pages), copy_ident(s.ident.content_bytes))],
+                      [s.block])[0][0]
+            for s in states
+        ]  # fmt: skip
+    owned = [[g[0], list(g[1]), list(g[2])] for g in geometry]  # the payload's own copy
+    field = {"geometry": owned, "blocks": [s.block for s in states], "sums": sums}
     layouts = {str(first_index + i): s.ident.to_dict() for i, s in enumerate(states)}
     return field, {STATE_LAYOUTS: layouts}
-
-
-@dataclass(frozen=True)
-class StateTarget:
-    """Consumer: one local state layer's pages, identity and the block its state goes to."""
-
-    pages: torch.Tensor  # ``[blocks, C]`` uint8
-    ident: StateLayoutId
-    block: int
 
 
 @dataclass(frozen=True)
@@ -125,7 +120,7 @@ class SharedStates:
         self,
         shared: dict[str, Any],
         metadata: dict[str, Any],
-        targets: Sequence[StateTarget],
+        targets: Sequence[StatePage],
         first_index: int,
     ) -> None:
         raw = shared.get(STATES)
@@ -133,7 +128,7 @@ class SharedStates:
             self.geometry: list[Any] = []
             self.sums: list[int] | None = None
             self.calls: list[StateCopyCall] = []
-            self.targets: list[StateTarget] = []
+            self.targets: list[StatePage] = []
             return
         if raw is None or not targets:
             have, want = ("no", "keeps") if raw is None else ("", "does not keep")
@@ -141,8 +136,8 @@ class SharedStates:
                 f"the payload carries {have} recurrent state (Mamba / GDN / short-conv "
                 f"layers), which this model {want}: serve the same hybrid model on both stages"
             )
-        n = len(targets)
-        if not isinstance(raw, dict) or n > MAX_STATES:
+        n = len(targets)  # every list of the field must have this length
+        if not isinstance(raw, dict):
             raise KVPayloadError("shared-pages payload: malformed states field")
         geometry = raw.get("geometry")
         if not isinstance(geometry, list) or len(geometry) != n:
@@ -163,13 +158,7 @@ class SharedStates:
             raise KVPayloadError("shared-pages payload: no state layouts")
         calls: dict[tuple[int, int, int], list[int]] = {}
         for i, (t, src) in enumerate(zip(self.targets, blocks, strict=True)):
-            theirs = StateLayoutId.of(declared.get(str(first_index + i)))
-            if theirs != t.ident:
-                raise KVPayloadError(
-                    f"state layer {i}: the payload's state ({theirs.describe()}) differs from "
-                    f"this engine's ({t.ident.describe()}); serve both stages with the same "
-                    "model, dtype, mamba cache dtypes and conv state layout"
-                )
+            check_declared_state(declared, first_index + i, t.ident)
             if not 0 <= t.block < int(t.pages.shape[0]):
                 raise KVPayloadError(f"state layer {i}: local state block {t.block} out of range")
             g = self.geometry[i]
@@ -186,11 +175,6 @@ class SharedStates:
                 )
             calls.setdefault((src, t.block, t.ident.content_bytes), []).append(i)
         return [StateCopyCall(ls, (s, d), c) for (s, d, c), ls in calls.items()]
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes the copies move (one state page per layer)."""
-        return sum(t.ident.content_bytes for t in self.targets)
 
     def copy(self, source: PageSource, descriptor: Any, verify: bool) -> int:
         """Copy every state page (under the payload's hold); bytes copied."""

@@ -103,6 +103,18 @@ class StateLayoutId:
             raise KVPayloadError(f"KV payload state layout {raw!r} is malformed: {e}") from e
 
 
+def check_declared_state(declared: dict[str, Any], index: int, ident: StateLayoutId) -> None:
+    """``KVPayloadError`` unless the identity a payload's ``state_layouts`` (``declared``)
+    gives payload layer ``index`` is ``ident``, this engine's (or is malformed)."""
+    theirs = StateLayoutId.of(declared.get(str(index)))
+    if theirs != ident:
+        raise KVPayloadError(
+            f"layer {index}: the payload's state ({theirs.describe()}) differs from this "
+            f"engine's ({ident.describe()}); serve both stages with the same model, dtype, "
+            "mamba cache dtypes and conv state layout"
+        )
+
+
 def state_pages(cache: Any, ident: StateLayoutId, name: str = "state layer") -> torch.Tensor:
     """The ``[blocks, C]`` uint8 view of a state layer's registered cache (``C``: the
     page's content bytes); ``ConfigError`` when the view is not vLLM's ``[B, 1, 1, C]``."""
@@ -167,13 +179,7 @@ def plan_states(
     out = []
     for i in wanted:
         ident, local, block = layers[i]  # type: ignore[misc]
-        theirs = StateLayoutId.of(declared.get(str(layer_offset + i)))
-        if theirs != ident:
-            raise KVPayloadError(
-                f"layer {layer_offset + i}: the payload's state ({theirs.describe()}) differs "
-                f"from this engine's ({ident.describe()}); serve both stages with the same "
-                "model, dtype, mamba cache dtypes and conv state layout"
-            )
+        check_declared_state(declared, layer_offset + i, ident)
         src = pages[i]
         want = (1, ident.content_bytes)
         if not isinstance(src, torch.Tensor) or tuple(src.shape) != want or src.element_size() != 1:

@@ -6,9 +6,8 @@ after the forward, then ``start_load_kv`` under a forward context without attent
 metadata (vLLM 0.32's V1 runner also starts loads after the forward unless a step has
 synchronous loads, but under the forward's context; OmniKVConnector has no
 ``finish_forward``). :class:`V2CallsOmniKVConnector` makes the V1 runner's calls arrive
-without attention metadata, so a
-``vllm serve`` on CPU can measure the connector under V2's call sequence
-(``benchmarks/pd_load.py``, configuration ``omnikv_shm_v2_calls``). Configure it with
+without attention metadata, so a ``vllm serve`` on CPU can measure the connector under
+V2's call sequence (``benchmarks/pd_load.py``, configuration ``omnikv_shm_v2_calls``). Configure it with
 ``"kv_connector": "V2CallsOmniKVConnector"`` and
 ``"kv_connector_module_path": "vllm_omni_kv.testing.v2_calls"``.
 """
