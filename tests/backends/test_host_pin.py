@@ -1,5 +1,6 @@
 """Registering host memory with CUDA (``backends/host_pin.py``): a refused registration
-leaves no CUDA error pending, so the next kernel launch in the thread does not raise it."""
+leaves no CUDA error pending, so the next kernel launch in the thread does not raise it;
+registering a range ours already covers is "already pinned", not an error."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from vllm_omni_kv.backends.host_pin import HostPin, clear_cuda_error, cuda_in_use, register
+from vllm_omni_kv.backends.host_pin import CudaPinOps, clear_cuda_error, cuda_in_use, register
 
 MIB = 2**20
 
@@ -23,6 +24,12 @@ def host_range() -> Iterator[tuple[int, int]]:
     yield ctypes.addressof(anchor), len(mm)
     del anchor
     mm.close()
+
+
+def _pinned(ptr: int, nbytes: int) -> bool:
+    return torch.frombuffer(
+        (ctypes.c_char * nbytes).from_address(ptr), dtype=torch.uint8
+    ).is_pinned()
 
 
 def _kernel_runs() -> None:
@@ -46,17 +53,24 @@ def test_cuda_refused_registration_leaves_no_pending_error(host_range: tuple[int
     cudart = torch.cuda.cudart()
     assert int(cudart.cudaHostRegister(ptr, nbytes, 1)) == 0
     try:
-        assert int(cudart.cudaHostRegister(ptr, nbytes, 1)) != 0  # already registered
-        assert clear_cuda_error() != 0, "the refused registration left no error to clear"
+        assert int(cudart.cudaHostRegister(ptr, nbytes, 1)) == 712  # already registered
+        assert clear_cuda_error() == 712, "the refused registration left no error to clear"
         assert clear_cuda_error() == 0
+        assert register(ptr, nbytes) is None  # someone else's registration: refused (712)
+        _kernel_runs()
     finally:
         assert int(cudart.cudaHostUnregister(ptr)) == 0
     pin = register(ptr, nbytes)
-    assert pin is not None
+    assert pin is not None and pin.owned
     try:
-        assert register(ptr, nbytes) is None  # refused: the range is registered already
+        again = register(ptr, nbytes)  # ours already: pinned, nothing asked of the driver
+        assert again is not None and not again.owned
+        assert _pinned(ptr, nbytes)
+        again.release()  # releases nothing: the range stays registered by ``pin``
+        assert _pinned(ptr, nbytes)
         _kernel_runs()
     finally:
         pin.release()
-    HostPin(ptr, nbytes).release()  # refused: not registered any more
+    pin.release()  # idempotent
+    assert int(CudaPinOps().unregister(ptr, torch.cuda.current_device())) == 713  # not registered
     _kernel_runs()

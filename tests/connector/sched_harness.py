@@ -13,6 +13,14 @@ exactly the producer's bytes (compared token by token with the independent extra
 of ``_kv_fixtures.reference_kv``). Transfers use the real shm backend in their own
 namespace. Start-up is about a second after the first (vLLM's imports).
 
+Every call order vLLM 0.33 uses: ``runner="v1-spec"`` / ``"v2-spec"`` step with a
+speculator (the step's results taken first, an emulated draft model writing the last
+layer's KV of the scheduled tokens with the metadata bound, then the saves: vLLM's
+deferred finalize); :meth:`Engine.overlapped` keeps two steps in flight, so
+``update_state_after_alloc`` of an async load comes a step late, or never when the
+request is freed first; ``late=True`` delivers each step's worker output to the
+scheduler a step late (the output aggregator's replay of a failed worker's output).
+
 ``hybrid=True`` builds a tiny Gemma 3-shaped cache instead, as vLLM's hybrid KV cache
 manager lays it out: layers 0 and 2 attend to a sliding window of ``WINDOW`` tokens
 (KV cache group 0), layers 1 and 3 to every token (group 1); the layers of the two
@@ -23,9 +31,11 @@ groups alias one tensor each (layers 0 and 1, layers 2 and 3), over a shared poo
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from copy import copy
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +49,7 @@ from vllm.config import (
     VllmConfig,
 )
 from vllm.distributed.kv_transfer import kv_transfer_state
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.forward_context import set_forward_context
 from vllm.sampling_params import SamplingParams
@@ -60,6 +71,7 @@ from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
 from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 
 from vllm_omni_kv.connector.omni_kv_connector import OmniKVConnector
+from vllm_omni_kv.testing.v2_calls import V2SpecCallsOmniKVConnector
 
 TOKEN = 7  # what the emulated model samples
 WINDOW = 64  # the hybrid cache's sliding window (tokens)
@@ -69,6 +81,15 @@ HYBRID_LAYERS = 4
 SLIDING, FULL = (0, 2), (1, 3)
 #: the model runners' connector call sequences (vLLM 0.32: V2 is the CUDA default)
 RUNNERS = ["v1", "v2"]
+#: ... with a speculator: saves deferred past the step's results and the draft model
+SPEC_RUNNERS = ["v1-spec", "v2-spec"]
+#: vLLM >= 0.33: V2's ``post_forward(..., defer_finalize=True)`` and ``finalize_step``;
+#: vLLM 0.32's V2 runner has no such order, V2SpecCallsOmniKVConnector emulates it there
+V2_DEFERS = "defer_finalize" in inspect.signature(ActiveKVConnector.post_forward).parameters
+#: vLLM >= 0.33 defers async loads' ``update_state_after_alloc`` (overlapping steps)
+DEFERS_LOADS = hasattr(Scheduler, "_drain_deferred_loads")
+#: vLLM >= 0.33 replays a failed worker's connector output at the next aggregation
+REPLAYS = hasattr(KVOutputAggregator, "ft_defer_kv_connector_outputs")
 
 
 def _name(i: int) -> str:
@@ -145,6 +166,7 @@ class Engine:
         seed: int,
         hybrid: bool = False,
         runner: str = "v1",
+        late: bool = False,
         **extra: Any,
     ) -> None:
         kv_config = kv_cache_config(hybrid)
@@ -166,10 +188,17 @@ class Engine:
         hash_fn = get_hash_fn_by_name(self.config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)  # as vLLM's engine core does
         self.hasher = get_request_block_hasher(BS, hash_fn)
-        self.worker = OmniKVConnector(self.config, KVConnectorRole.WORKER, kv_config)
+        #: the draft model's writes land between the step's results and its saves
+        self.drafts = runner == "v1-spec" or (runner == "v2-spec" and V2_DEFERS)
+        emulated = runner == "v2-spec" and not V2_DEFERS
+        cls = V2SpecCallsOmniKVConnector if emulated else OmniKVConnector
+        self.worker = cls(self.config, KVConnectorRole.WORKER, kv_config)
         self.caches = self._allocate(names, tensor_of, seed)
         self.active: ActiveKVConnector | None = None
-        if runner == "v2":  # V2's runner registers the caches through ActiveKVConnector
+        self.late = KVOutputAggregator(1) if late else None
+        self._late_out: KVConnectorOutput | None = None  # vLLM 0.32: held a step here
+        self.spans: dict[str, tuple[int, int]] = {}  # tokens each request computes now
+        if runner.startswith("v2"):  # V2's runner registers the caches (ActiveKVConnector)
             with agent(self.worker):
                 self.active = ActiveKVConnector(self.config, self.caches)
             self.buffers = InputBuffers(16, 4096, torch.device("cpu"))
@@ -207,19 +236,60 @@ class Engine:
         return req
 
     def step(self) -> SchedulerOutput:
+        so = self._schedule()
+        self._update(so, self._execute(so))
+        return so
+
+    def overlapped(self, admit: Callable[[], None], between: Callable[[], None]) -> None:
+        """Two steps in flight, as with async scheduling: step A is scheduled (it must
+        compute tokens), ``admit()`` adds requests, step B is scheduled before A's output
+        is processed, then ``between()`` runs (an abort), then A and B run. vLLM 0.33
+        calls ``update_state_after_alloc`` of the async loads B admits once A's output is
+        processed (never for a request freed before); 0.32 calls it at admission, and the
+        harness defers it the same way (``_drain_deferred_loads``)."""
+        if DEFERS_LOADS:  # what a consumer with overlapping steps and HiSparse sets
+            self.sched.defer_block_free = self.sched.defer_async_loads = True
+        so_a = self._schedule()
+        assert so_a.total_num_scheduled_tokens > 0, "step A computes nothing"
+        admit()
+        conn, stash = self.sched.connector, list[tuple[Request, int]]()
+        assert conn is not None
+        if not DEFERS_LOADS:
+            conn.update_state_after_alloc = lambda req, blocks, n: stash.append((req, n))  # type: ignore[method-assign]
+        try:
+            so_b = self._schedule()
+        finally:
+            conn.__dict__.pop("update_state_after_alloc", None)
+        between()
+        self._update(so_a, self._execute(so_a))
+        for req, n in stash:
+            if not req.is_finished():
+                blocks = self.sched.kv_cache_manager.get_blocks(req.request_id)
+                conn.update_state_after_alloc(req, blocks, n)
+        self._update(so_b, self._execute(so_b))
+
+    def _schedule(self) -> SchedulerOutput:
         so = self.sched.schedule()
         for rid, req in self.sched.requests.items():
             if rid in so.num_scheduled_tokens or req.num_computed_tokens:
                 tables = self.sched.kv_cache_manager.get_block_ids(rid)
                 self.tables[rid] = [list(t) for t in tables]
                 self.blocks[rid] = self.tables[rid][0]
+        for rid, n in so.num_scheduled_tokens.items():
+            end = self.sched.requests[rid].num_computed_tokens
+            self.spans[rid] = (end - n, end)
+        return so
+
+    def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         with agent(self.worker):
             if so.total_num_scheduled_tokens == 0 and self.active is not None:
-                out = self.active.no_forward(so)
-            elif so.total_num_scheduled_tokens == 0:
-                out = KVConnectorModelRunnerMixin.kv_connector_no_forward(so, self.config)
-            else:
-                out = self._forward(so)
+                return self.active.no_forward(so)
+            if so.total_num_scheduled_tokens == 0:
+                return KVConnectorModelRunnerMixin.kv_connector_no_forward(so, self.config)
+            return self._forward(so)
+
+    def _update(self, so: SchedulerOutput, out: ModelRunnerOutput) -> None:
+        out = self._replay(out) if self.late is not None else out
         kv_out = out.kv_connector_output
         if kv_out is not None and kv_out.finished_sending:
             self.sent |= set(kv_out.finished_sending)
@@ -229,7 +299,20 @@ class Engine:
                 if o.finish_reason is not None:
                     self.finished[o.request_id] = o.kv_transfer_params
                     self.reasons[o.request_id] = o.finish_reason
-        return so
+
+    def _replay(self, out: ModelRunnerOutput) -> ModelRunnerOutput:
+        """This step's worker output reaches the scheduler with the next step's (vLLM
+        0.33: its aggregator replays it; 0.32: held here)."""
+        assert self.late is not None
+        out = copy(out)
+        now, out.kv_connector_output = out.kv_connector_output, None
+        if not REPLAYS:
+            out.kv_connector_output, self._late_out = self._late_out, now
+            return out
+        merged = self.late.aggregate([out])
+        assert merged is not None
+        self.late.ft_defer_kv_connector_outputs([now])
+        return merged
 
     def _connector_output(self, so: SchedulerOutput) -> KVConnectorOutput | None:
         """The connector calls of a step with a forward pass, which writes nothing."""
@@ -238,6 +321,8 @@ class Engine:
         ids = list(so.num_scheduled_tokens)
         if self.active is None:  # V1: preemptions first, the output context in the forward's
             self.worker.handle_preemptions(so.kv_connector_metadata)
+            if self.drafts:
+                return self._spec_connector_output(so, attn)
             with (
                 set_forward_context(attn, self.config, num_tokens=n),
                 KVConnectorModelRunnerMixin.maybe_get_kv_connector_output(so) as kv_out,
@@ -248,7 +333,44 @@ class Engine:
         with set_forward_context(attn, self.config, num_tokens=n):  # V2 (eager)
             self.active.pre_forward(so, dataclasses.replace(batch, req_ids=ids))
         self.active.finish_forward()
-        return self.active.post_forward(so.finished_req_ids)
+        if not self.drafts:
+            return self.active.post_forward(so.finished_req_ids)
+        kv_out = self.active.post_forward(so.finished_req_ids, defer_finalize=True)  # type: ignore[call-arg]
+        self._draft(so)
+        self.active.finalize_step()  # type: ignore[attr-defined]
+        return kv_out
+
+    def _spec_connector_output(self, so: SchedulerOutput, attn: Any) -> KVConnectorOutput | None:
+        """V1 with a speculative config: finalized after the draft model (vLLM's code)."""
+        mixin = KVConnectorModelRunnerMixin
+        n = so.total_num_scheduled_tokens
+        with (
+            set_forward_context(attn, self.config, num_tokens=n),
+            mixin.maybe_get_kv_connector_output(so, defer_finalize=True) as kv_out,
+        ):
+            pass
+        self._draft(so)
+        mixin.finalize_kv_connector()
+        return kv_out
+
+    def _draft(self, so: SchedulerOutput) -> None:
+        """The draft model writes the last layer's K and V of every token this step
+        computes, a function of the token and its position (the same on every engine)."""
+        name = list(self.caches)[-1]
+        cache = self.caches[name]
+        nb, heads, bs, two_d = cache.shape
+        d = two_d // 2  # K transposed ([d, bs]) then V ([bs, d]) per block and head
+        k = cache.view(nb, heads, 2, d * bs)[:, :, 0].view(nb, heads, d, bs)
+        v = cache.view(nb, heads, 2, bs * d)[:, :, 1].view(nb, heads, bs, d)
+        for rid in so.num_scheduled_tokens:
+            tokens = self.sched.requests[rid].all_token_ids
+            table = self.tables[rid][self.group[name]]
+            start, end = self.spans[rid]
+            for t in range(start, min(end, len(tokens))):
+                value = ((int(tokens[t]) * 31 + t) % 97) / 8
+                block, off = table[t // bs], t % bs
+                k[block, :, :, off] = value
+                v[block, :, off] = -value
 
     def _forward(self, so: SchedulerOutput) -> ModelRunnerOutput:
         ids = list(so.num_scheduled_tokens)

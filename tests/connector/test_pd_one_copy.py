@@ -87,6 +87,7 @@ def groups(tiny_model_dir: Path) -> dict[str, list[list[int]]]:
         "equal": make_prompts(tiny_model_dir, 4, seed=10),
         "held": make_prompts(tiny_model_dir, 1, seed=11),
         "killed": make_prompts(tiny_model_dir, 2, seed=12),
+        "slept": make_prompts(tiny_model_dir, 3, seed=13),
     }
 
 
@@ -168,6 +169,38 @@ def test_blocks_stay_held_until_the_lease_runs_out_then_the_consumer_recomputes(
     # a consumer that comes late finds nothing and recomputes the same tokens
     loads = pd.decode(prompts, params)
     assert loads[0]["ok"] is False, loads
+
+
+def test_sleep_and_wake_mid_traffic_recompute_then_transfer_again(
+    pd: PD, groups: dict[str, list[list[int]]], tiny_model_dir: Path
+) -> None:
+    """vLLM 0.33's sleep mode, as the connector sees it (``EngineProc.sleep``: its
+    unregister and restore hooks, the cache overwritten in between)."""
+    a, b, c = groups["slept"]
+    # the producer sleeps with a's payload published: voided, the consumer recomputes a
+    params_a = pd.prefill([a])
+    slept = pd.prod.sleep()
+    assert slept["unregister_s"] < 5 and slept["prefix_cache_reset"] is True, slept
+    assert _shm().holds == 0  # no hold left on the slept cache's blocks
+    if pd.mode == "shm":  # (Mooncake: a consumer would wait recv_timeout, 15 s, for it;
+        # test_te_cache_region shows that payload gone after the producer's sleep)
+        (load,) = pd.decode([a], params_a)  # tokens equal the colocated run's
+        assert load["ok"] is False, load
+    # the consumer sleeps while b's load waits for a payload: it fails, b recomputes
+    params_b = pd.prefill([b])
+    waiting = {**params_b[0], "remote_request_id": "never-published"}
+    got = pd.cons.sleep(b, waiting)
+    assert got["unregister_s"] < pd.recv_timeout / 2, got  # the load stopped at once
+    assert got["prefix_cache_reset"] is True, got
+    assert got["token_ids"] == pd.ref[tuple(b)], "recomputed tokens differ from colocated"
+    assert got["kv_transfer_params"]["omni_kv_load"]["ok"] is False, got
+    (load,) = pd.decode([b], params_b)  # b's own payload, still held: copied exactly
+    assert load["ok"] is True and load["tokens"] == len(b), load
+    # both woke: c moves exactly, out of the cache's new generation
+    (load,) = pd.decode([c], pd.prefill([c]))
+    assert load["ok"] is True and load["tokens"] == len(c), load
+    assert _shm().holds == 0
+    assert_cache_free(pd.prod, tiny_model_dir, timeout=SEND_TTL / 2)
 
 
 def test_killed_producer_recomputes_and_leaves_nothing(

@@ -14,6 +14,8 @@ import pytest
 from vllm_omni_kv.connector.config import parse_omni_kv_config
 from vllm_omni_kv.connector.metadata import transfer_id
 from vllm_omni_kv.connector.remote_params import (
+    MAX_BLOCK_GROUPS,
+    MAX_BLOCK_IDS,
     MAX_TP_SIZE,
     RemoteParamsError,
     parse_remote_params,
@@ -78,6 +80,19 @@ HOSTILE = [
     ("remote_host", "host name with spaces"),
     ("remote_host", "h" * 1000),
     ("remote_host", {"h": 1}),
+    ("remote_block_ids", "1,2,3"),
+    ("remote_block_ids", {"0": [1]}),
+    ("remote_block_ids", [1, "2"]),
+    ("remote_block_ids", [1, True]),
+    ("remote_block_ids", [-1]),
+    ("remote_block_ids", [2**31]),
+    ("remote_block_ids", [1.0]),
+    ("remote_block_ids", [[1], 2]),
+    ("remote_block_ids", [[[1]]]),
+    ("remote_block_ids", [[1], [json.loads("NaN")]]),
+    ("remote_block_ids", [[0]] * (MAX_BLOCK_GROUPS + 1)),
+    ("remote_block_ids", [0] * (MAX_BLOCK_IDS + 1)),
+    ("remote_block_ids", [[0] * (MAX_BLOCK_IDS // 2), [0] * (MAX_BLOCK_IDS // 2 + 1)]),
 ]
 
 
@@ -93,6 +108,20 @@ def test_a_hostile_field_is_refused_and_the_request_computes_locally(
     assert sched.get_num_new_matched_tokens(request, 0) == (0, False)  # type: ignore[arg-type]
     assert sched.request_finished(request, []) == (False, None)  # type: ignore[arg-type]
     assert not sched._discards, "a refused request named a payload"
+
+
+@pytest.mark.parametrize(
+    ("value", "groups"),
+    [
+        ([[3, 4, 5]], ((3, 4, 5),)),  # vLLM's shape: one list per KV cache group
+        ([[0, 0, 7], [5, 6, 7]], ((0, 0, 7), (5, 6, 7))),  # two groups, nulls before a window
+        ([3, 4, 5], ((3, 4, 5),)),  # a vLLM 0.32-era producer's flat list: one group
+        ([], ((),)),
+        (None, None),  # absent
+    ],
+)
+def test_remote_block_ids_in_either_shape_are_read_per_group(value: Any, groups: Any) -> None:
+    assert parse_remote_params({**GOOD, "remote_block_ids": value}, 1).block_ids == groups
 
 
 def test_port_zero_means_no_side_channel() -> None:

@@ -27,9 +27,11 @@ from vllm_omni_kv.connector.metadata import LoadSpec, SaveSpec
 from vllm_omni_kv.connector.page_export import PageExport
 from vllm_omni_kv.connector.receive import LayerCache, layer_caches
 from vllm_omni_kv.errors import KVPayloadError
+from vllm_omni_kv.kvcache import device_order
 from vllm_omni_kv.kvcache.cache_layout import KVLayoutId
 from vllm_omni_kv.kvcache.shared_pages import shared_fields
 from vllm_omni_kv.kvcache.shared_pages_plan import materialize_pages
+from vllm_omni_kv.testing.fake_streams import RecordingStreams
 from vllm_omni_kv.wire import codec
 from vllm_omni_kv.wire.stream import ArrivedFrameStream
 
@@ -153,6 +155,28 @@ def test_each_group_gets_exactly_its_kept_blocks(
     assert moved == len(want) * PAGE
     # 2 full layers x 7 blocks + 2 sliding layers x 3 blocks without a hit
     assert hit or len(want) == 2 * NEEDED + 2 * 3 == 20
+
+
+@pytest.mark.parametrize("digests", [True, False])
+def test_a_grouped_load_is_one_move_and_one_host_wait(producer: Producer, digests: bool) -> None:
+    """Down the device branch (recording streams for the host): both groups in one plan,
+    queued on one side stream after the forward's work, waited for once before the
+    hold goes back."""
+    local = Local()
+    with device_order.installed("cpu", RecordingStreams()) as rs:
+        assert isinstance(rs, RecordingStreams)
+        moved = _load(producer, local, producer.payload(digests=digests))
+    (side,) = [s for s in rs.side_streams() if s.ops]
+    assert side.ops[0] == ("wait", ("forward", 0))
+    assert len(rs.host_waits) == 1 and rs.waited_for((side.name, len(side.ops) - 1))
+    # per layer one gather and one scatter (+ with digests one gather back and one download)
+    assert len(rs.queued(side, "index_copy_")) == LAYERS
+    assert len(rs.queued(side, "index_select")) == LAYERS * (2 if digests else 1)
+    want = _expected(producer, 0)
+    got = local.written()
+    assert got.keys() == want.keys() and moved == len(want) * PAGE
+    for k, page in want.items():
+        assert torch.equal(got[k], page), k
 
 
 def test_materialized_grouped_payload_holds_each_layers_kept_pages(producer: Producer) -> None:

@@ -10,6 +10,7 @@ staging runs synchronously; ``make gpu-check`` sets cuda: side stream + events).
 from __future__ import annotations
 
 import gc
+import multiprocessing
 import os
 
 import pytest
@@ -20,7 +21,7 @@ from vllm_omni_kv.connector.engine_layout import EngineLayout
 from vllm_omni_kv.errors import ConfigError
 from vllm_omni_kv.kvcache import device_order
 from vllm_omni_kv.kvcache.cache_layout import KVLayoutId
-from vllm_omni_kv.kvcache.device_staging import GRANULE, DeviceStager, canonical_device
+from vllm_omni_kv.kvcache.device_staging import DeviceStager, canonical_device
 from vllm_omni_kv.kvcache.paged_blocks import extract_request_blocks, inject_request_blocks
 from vllm_omni_kv.testing.fake_streams import RecordingStreams
 from vllm_omni_kv.testing.layout_emulator import (
@@ -98,7 +99,7 @@ def test_layout_staged_payload_matches_kernel_tokens(name: str, dtype: str) -> N
 
 def test_layout_staging_falls_back_when_a_request_does_not_fit() -> None:
     e = _engine("flash-LBNHC", "bfloat16")
-    stager = DeviceStager(DEVICE, max_bytes=GRANULE // 4)  # smaller than one granule
+    stager = DeviceStager(DEVICE, max_bytes=4096)  # less than the request's pages
     _round_trip(e, stager)  # read from the cache directly, still token-exact
     assert stager.gathers == 0 and stager.fallbacks == 1 and stager.held_bytes == 0
 
@@ -166,37 +167,49 @@ def test_cuda_staging_is_ordered_after_the_forward_stream() -> None:
         assert bool((raw.float() == 3).all())
 
 
-def test_shm_segments_are_not_registered_without_cuda_in_use() -> None:
-    """A process that never initialized CUDA maps segments as plain memory."""
-    from vllm_omni_kv.backends.shm import arena
+def _segment_pin_without_cuda(namespace: str) -> None:
+    """In a child that never initialized CUDA: a pooled segment asks for no registration."""
     from vllm_omni_kv.backends.shm.producer import ProducerArena
 
-    pa = ProducerArena(8 << 20, namespace=f"pin-{os.getpid()}")
+    pa = ProducerArena(8 << 20, namespace=namespace)
     try:
         seg, pooled = pa.acquire(1 << 20)
-        assert id(seg.mm) not in arena._pins
+        ok = pooled and seg.mm.pin is None and not torch.cuda.is_initialized()
         pa.release_unpublished(seg, pooled)
     finally:
         pa.close()
+    raise SystemExit(0 if ok else 3)
+
+
+def test_shm_segments_are_not_registered_without_cuda_in_use() -> None:
+    """A process that never initialized CUDA maps segments as plain memory (a forked child:
+    this process may have used CUDA in an earlier test; torch does not count a parent's
+    CUDA as initialized in a forked child)."""
+    proc = multiprocessing.get_context("fork").Process(
+        target=_segment_pin_without_cuda, args=(f"pin-{os.getpid()}",)
+    )
+    proc.start()
+    proc.join(60)
+    assert proc.exitcode == 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_shm_segments_are_pinned_while_mapped() -> None:
-    """In a process using CUDA, arena segments are registered (DMA, async copies) and
-    unregistered before they are unmapped."""
-    from vllm_omni_kv.backends.shm import arena
+    """In a process using CUDA, arena segments are registered (in the background: DMA,
+    async copies once it lands) and unregistered before they are unmapped."""
     from vllm_omni_kv.backends.shm.producer import ProducerArena
 
     torch.zeros(1, device="cuda")  # CUDA in use, as in a GPU worker
     pa = ProducerArena(8 << 20, namespace=f"pin-{os.getpid()}")
     try:
         seg, pooled = pa.acquire(1 << 20)
-        assert id(seg.mm) in arena._pins
+        pin = seg.mm.pin
+        assert pooled and pin is not None and pin.wait(30) and pin.pinned
         assert torch.frombuffer(seg.mm, dtype=torch.uint8).is_pinned()
         pa.release_unpublished(seg, pooled)
     finally:
         pa.close()
-    assert not arena._pins
+    assert seg.mm.closed and not pin.pinned
 
 
 # -- ordering of copies out of a staging buffer (issue 24, item 2) -----------------------
@@ -222,12 +235,12 @@ def test_staged_copy_into_device_memory_is_ordered_after_the_packer_and_before_i
         dst = torch.zeros(len(ids), 2, 16, 64)
         assert list(staged.fill(0)(dst)) == [dst.numel() * dst.element_size()]
         next_use = fake.work(fake.forward, "copy of the frame into the pool block")
-    (copy,) = fake.queued(stager.side, "copy_")
+    ids_upload, copy = fake.queued(stager.side, "copy_")
     gather = fake.queued(stager.side, "index_select")[0]
     assert torch.equal(dst, views[0][ids])
     assert fake.before(fill, copy), "the layer's copy may run before the frame's zero fill"
     assert fake.before(copy, next_use), "the frame's next use may run before the copy"
-    assert fake.before(gather, copy)
+    assert fake.before(ids_upload, gather) and fake.before(gather, copy)
     assert not fake.host_waits, "the copy into device memory made the host wait"
 
 

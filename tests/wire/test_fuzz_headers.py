@@ -24,6 +24,7 @@ from vllm_omni_kv.errors import KVPayloadError
 from vllm_omni_kv.wire import codec
 from vllm_omni_kv.wire.auth import AuthKey
 from vllm_omni_kv.wire.digests import head_digest
+from vllm_omni_kv.wire.prelude import CHECKSUM_LINEAR, CHECKSUM_XXH3
 from vllm_omni_kv.wire.stream import ArrivedFrameStream
 
 CHUNK = 256
@@ -116,6 +117,9 @@ WEIRD = st.sampled_from(
         ["float32", [1], 0, 4],
         ["float32", [2**40, 2**40], 0, 4],
         ["float32", [0, 2**64 - 1], 0, 0],
+        ["float32", [2**48, 2**48, 0], 0, 0],
+        ["bfloat16", [0, 2**47, 2**47], 0, 0],
+        ["int8", [2**24, 2**24, 2**24, 0], 0, 0],
         ["float32", [-1, 4], 0, 16],
         ["float32", [3], 1, 12],
         ["float32", [8], 0, 32, 5],
@@ -188,13 +192,42 @@ def test_fuzz_prelude_sizes_against_the_header(header, data_len, digests, flags)
     _check(_repack(header, data_len=data_len, digests=digests, flags=flags))
 
 
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(mutated_headers())
+def test_fuzz_mutated_headers_of_device_packed_frames(header):
+    """The same with the digests of frames packed on a device (linear, ``checksum_alg`` 2)."""
+    _check(_repack(header, alg=CHECKSUM_LINEAR))
+
+
+@pytest.mark.parametrize("alg", [CHECKSUM_XXH3, CHECKSUM_LINEAR])
+@pytest.mark.parametrize(
+    "shape", [[2**48, 2**48, 0], [0, 2**48, 2**48], [2**40, 2**9, 0], [2**62, 0], [-1, 0]]
+)
+def test_dimensions_that_overflow_are_a_payload_error(shape, alg):
+    """A zero-byte tensor whose dimensions no allocation can hold: refused while the
+    header is read, by every decoder, before any tensor is made."""
+    header = copy.deepcopy(BASE_HEADER)
+    header["t"][0] = ["float32", shape, 0, 0]
+    buf = _repack(header, alg=alg)
+    for decode in (
+        codec.decode,
+        ArrivedFrameStream,
+        lambda b: codec.decode_tensor(torch.frombuffer(b, dtype=torch.uint8)),
+    ):
+        with pytest.raises(KVPayloadError, match="tensor #0"):
+            decode(buf)
+
+
 def test_base_frame_is_valid_and_repacked_identically():
     """The harness itself: the unmutated header re-packs to a frame that decodes right."""
-    buf = _repack(copy.deepcopy(BASE_HEADER))
-    out = codec.decode(buf)
-    src = _source()
-    assert torch.equal(out["layer_blocks"]["key_cache"][0], src["layer_blocks"]["key_cache"][0])
-    assert out["metadata"] == src["metadata"]
+    for alg in (CHECKSUM_XXH3, CHECKSUM_LINEAR):
+        buf = _repack(copy.deepcopy(BASE_HEADER), alg=alg)
+        assert codec.read_prelude(buf, len(buf)).alg == alg
+        out = codec.decode(buf)
+        src = _source()
+        key = src["layer_blocks"]["key_cache"][0]
+        assert torch.equal(out["layer_blocks"]["key_cache"][0], key)
+        assert out["metadata"] == src["metadata"]
 
 
 @pytest.mark.parametrize("depth", [100, 500, 900, 1000, 1024, 2000, 100_000])
@@ -243,7 +276,7 @@ def test_fuzzing_allocates_nothing_large():
     any of the sizes the cases declare (2**40 and more)."""
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     for data_len in (2**40, 2**63):
-        for shape in ([2**20, 2**20], [0, 2**62], [2**31]):
+        for shape in ([2**20, 2**20], [0, 2**62], [2**31], [2**48, 2**48, 0]):
             header = copy.deepcopy(BASE_HEADER)
             header["t"][0] = ["float32", shape, 0, 4 * math.prod(shape)]
             _check(_repack(header, data_len=data_len))

@@ -32,10 +32,12 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from vllm_omni_kv.errors import ConfigError, KVPayloadError
+from vllm_omni_kv.errors import ConfigError, KVPayloadError, KVTransferError
 from vllm_omni_kv.kvcache.cache_layout import KVLayoutId, page_view
 from vllm_omni_kv.kvcache.device_order import settle, streams_of
-from vllm_omni_kv.kvcache.shared_pages import attach_layers, copy_pages
+from vllm_omni_kv.kvcache.move_plan import MovePlan, Part
+from vllm_omni_kv.kvcache.movers import move
+from vllm_omni_kv.kvcache.shared_pages import PageCopy, attach_layers
 from vllm_omni_kv.logger import init_logger
 
 logger = init_logger(__name__)
@@ -95,6 +97,21 @@ def view_extent(t: torch.Tensor) -> tuple[int, int] | None:
     return ptr + low * esize, ptr + (high + 1) * esize
 
 
+def check_generation(descriptor: Any, current: int) -> None:
+    """Refuse a payload whose region ``descriptor`` names another generation than the
+    producer's ``current`` one (it slept since: its pages may be gone or reused), before
+    any byte is read: ``KVTransferError`` (the request is recomputed)."""
+    got = descriptor.get("generation", 0) if isinstance(descriptor, dict) else None
+    if isinstance(got, bool) or not isinstance(got, int) or got < 0:
+        raise KVPayloadError(f"cache region descriptor names no generation: {got!r}")
+    if got != current:
+        now = "asleep" if current % 2 else f"registered again as generation {current}"
+        raise KVTransferError(
+            f"this payload names the producer's KV cache of generation {got}, which vLLM's "
+            f"sleep mode has since discarded (the cache is {now}): the request is recomputed"
+        )
+
+
 class CacheRegion(ABC):
     """The producer's exportable KV cache and the holds on its blocks (one per process)."""
 
@@ -117,6 +134,9 @@ class CacheRegion(ABC):
     unavailable_reason: str | None = None
     #: producer: the setting that turns this one-copy mode off (named in placement errors)
     off_switch: str = "turn off the backend's one-copy mode"
+    #: the cache's registration generation, named in every region descriptor: even while
+    #: exported, odd while asleep (vLLM's sleep and wake-up each add one)
+    generation: int = 0
 
     # -- producer ------------------------------------------------------------------------
     @abstractmethod
@@ -234,6 +254,38 @@ class CacheRegion(ABC):
             hold,
         )
 
+    # -- sleep mode (vLLM's unregister_kv_caches / restore_kv_caches) -------------------
+    @property
+    def asleep(self) -> bool:
+        """Between :meth:`sleep` and :meth:`wake` (the generation is odd then)."""
+        return self.generation % 2 == 1
+
+    def sleep(self) -> None:
+        """vLLM's sleep: the KV cache's memory may be discarded. The generation moves on,
+        so consumers refuse every payload exported before; a producer drops its
+        registrations, a consumer its mappings of producers' regions (no copy may run).
+        The caller voids the holds first. Idempotent."""
+        if not self.asleep:
+            self.generation += 1
+            self._views = {}
+            self._withdraw()
+
+    def wake(self) -> None:
+        """After vLLM's wake-up: the next generation, which payloads exported from now on
+        carry (the caller exports the cache again). Idempotent."""
+        if self.asleep:
+            self.generation += 1
+            self._restore()
+
+    def _withdraw(self) -> None:
+        """Drop what points at the cache (see :meth:`sleep`); the default keeps nothing
+        else that points at it."""
+        logger.debug("%s: asleep (generation %d)", self.describe(), self.generation)
+
+    def _restore(self) -> None:
+        """Publish the new generation, register again (see :meth:`wake`)."""
+        logger.debug("%s: awake (generation %d)", self.describe(), self.generation)
+
     # -- consumer ------------------------------------------------------------------------
     def attach(self, descriptor: Any) -> torch.Tensor:
         """A flat ``uint8`` tensor over the producer's region (regions this process can
@@ -254,22 +306,41 @@ class CacheRegion(ABC):
         """Copy producer page ``s`` into page ``d`` of the local layer views ``caches`` for
         each ``(s, d)`` in ``pairs``; return bytes copied. ``geometry``: where the
         producer's layer views lie in its region; ``sums``: per-layer page digests to
-        verify (``pairs[j]`` is payload page ``first + j``). Called under the hold. The
-        default maps the region (:meth:`attach`) and copies locally."""
+        verify (``pairs[j]`` is payload page ``first + j``). Called under the hold: one
+        :meth:`copy_all` of one part."""
+        return self.copy_all(descriptor, [PageCopy(geometry, ident, caches, pairs, sums, first)])
+
+    def copy_all(self, descriptor: Any, copies: Sequence[PageCopy], wait: bool = False) -> int:
+        """Every part of one move under the hold (a load's page groups and state pages):
+        the region mapped (and its producer's liveness checked) once, one
+        :class:`~vllm_omni_kv.kvcache.move_plan.MovePlan` over all of them, one mover
+        call (:mod:`~vllm_omni_kv.kvcache.movers`); bytes copied. ``wait``: return once
+        the pages are written (a device move: one host wait). The default maps the
+        region with :meth:`attach`."""
         try:
-            base = self.attach(descriptor)  # checks the producer is alive, every time
+            base = self.attach(descriptor)  # checks the producer is alive, once per move
         except BaseException:
             self._views = {}  # a dead producer's mapping must not stay pinned by our views
             raise
-        key = (id(base), repr(geometry), ident, caches[0].dtype)
+        parts: list[Part] = [
+            (self._producer_pages(base, c), [page_view(x, c.ident) for x in c.caches],
+             c.pairs, c.sums, c.first)
+            for c in copies
+        ]  # fmt: skip
+        return move(MovePlan.stacked(parts), wait)
+
+    def _producer_pages(self, base: torch.Tensor, c: PageCopy) -> list[torch.Tensor]:
+        """The producer's page views of ``c`` over the mapped ``base`` (kept per geometry
+        while that mapping lasts)."""
+        key = (id(base), repr(c.geometry), c.ident, c.caches[0].dtype)
         hit = getattr(self, "_views", {}).get(key)
         if hit is None or hit[0] is not base:
-            src = attach_layers(base, geometry, ident, caches[0].dtype)
-            hit = (base, [page_view(v, ident) for v in src])
+            src = attach_layers(base, c.geometry, c.ident, c.caches[0].dtype)
+            hit = (base, [page_view(v, c.ident) for v in src])
             # one producer's views (one set per layer group): they stay valid while mapped
             kept = {k: v for k, v in getattr(self, "_views", {}).items() if v[0] is base}
             self._views = {**dict(list(kept.items())[-7:]), key: hit}
-        return copy_pages(hit[1], [page_view(c, ident) for c in caches], pairs, sums, first)
+        return hit[1]
 
     @abstractmethod
     def reading(self, hold: Any) -> AbstractContextManager[Any]:

@@ -224,6 +224,24 @@ class ProducerHandoffs:
                     h.revoke()
                     logger.info("request %s was preempted: withdrew its payload %s", req_id, h.key)
 
+    def void_shared(self) -> int:
+        """The cache is going away (vLLM's sleep): void every live payload that names its
+        blocks, as a preemption does (packed payloads are copies: they stay). Holds a
+        reader still keeps are the region's to void (``CacheRegion.sleep``). Returns how
+        many were voided."""
+        with self._lock:
+            live = [
+                h
+                for q in self._reqs.values()
+                for h in q.handoffs
+                if h.shares_blocks and not h.terminal
+            ]
+            for h in live:
+                self.port.take_back(h.hold)
+                self._withdraw(h)
+                h.revoke()
+        return len(live)
+
     def state_of(self, req_id: str) -> list[HandoffState]:
         with self._lock:
             req = self._reqs.get(req_id)

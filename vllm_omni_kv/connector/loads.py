@@ -71,18 +71,22 @@ class LoadRunner:
         refused: bool = False,
         cancelled: bool = False,
     ) -> _Outcome:
-        first = spec.num_local_tokens // self.block_size
-        n_blocks = -(-(spec.num_local_tokens + spec.num_load_tokens) // self.block_size)
         return _Outcome(
             spec.req_id,
             ok=False,
-            block_ids=list(spec.block_ids[first:n_blocks]),
+            block_ids=self.blocks(spec),
             seconds=dt,
             error=why,
             timed_out=timed_out,
             refused=refused,
             cancelled=cancelled,
         )
+
+    def blocks(self, spec: LoadSpec) -> list[int]:
+        """The blocks ``spec`` writes (what vLLM recomputes when the load fails)."""
+        first = spec.num_local_tokens // self.block_size
+        n_blocks = -(-(spec.num_local_tokens + spec.num_load_tokens) // self.block_size)
+        return list(spec.block_ids[first:n_blocks])
 
     def load(
         self,
@@ -151,6 +155,7 @@ class LoadRunner:
         return _Outcome(
             spec.req_id,
             ok=True,
+            block_ids=self.blocks(spec),  # a failure after all, should sleep discard them
             tokens=got.tokens,
             nbytes=got.moved,
             seconds=time.monotonic() - t0,

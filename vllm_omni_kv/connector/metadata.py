@@ -139,14 +139,18 @@ class OmniKVWorkerMetadata(KVConnectorWorkerMetadata):
         merged = {k: dict(v) for k, v in self.loads.items()}
         for req_id, res in other.loads.items():
             mine = merged.get(req_id)
-            if mine is None:
-                merged[req_id] = dict(res)
-                continue
-            # Several TP ranks: the request loaded only if every rank did.
-            mine["ok"] = bool(mine.get("ok")) and bool(res.get("ok"))
-            mine["bytes"] = int(mine.get("bytes", 0)) + int(res.get("bytes", 0))
-            mine["seconds"] = max(float(mine.get("seconds", 0)), float(res.get("seconds", 0)))
-            mine["tokens"] = min(int(mine.get("tokens", 0)), int(res.get("tokens", 0)))
-            if res.get("error") and not mine.get("error"):
-                mine["error"] = res["error"]
+            merged[req_id] = dict(res) if mine is None else merge_load(mine, res)
         return OmniKVWorkerMetadata(loads=merged)
+
+
+def merge_load(mine: dict[str, Any], res: dict[str, Any]) -> dict[str, Any]:
+    """Two TP ranks' outcomes of one load, in one step or in two (a rank's output can
+    reach the scheduler a step late): the request loaded only if every rank did."""
+    out = dict(mine)
+    out["ok"] = bool(mine.get("ok")) and bool(res.get("ok"))
+    out["bytes"] = int(mine.get("bytes", 0)) + int(res.get("bytes", 0))
+    out["seconds"] = max(float(mine.get("seconds", 0)), float(res.get("seconds", 0)))
+    out["tokens"] = min(int(mine.get("tokens", 0)), int(res.get("tokens", 0)))
+    if res.get("error") and not mine.get("error"):
+        out["error"] = res["error"]
+    return out

@@ -34,6 +34,7 @@ from vllm_omni_kv.connector.config import OmniKVConfig, parse_omni_kv_config
 from vllm_omni_kv.connector.handshake import advertise, worker_handshake
 from vllm_omni_kv.connector.metadata import OmniKVConnectorMetadata
 from vllm_omni_kv.connector.scheduler import OmniKVScheduler
+from vllm_omni_kv.connector.sleep import WorkerSleep, supports_sleep
 from vllm_omni_kv.connector.stats import OmniKVConnectorStats
 from vllm_omni_kv.connector.worker import OmniKVWorker
 from vllm_omni_kv.logger import init_logger
@@ -84,6 +85,7 @@ class OmniKVConnector(KVConnectorBase_V1, SupportsHMA):
         engine_id = str(ktc.engine_id)
         self._sched: OmniKVScheduler | None = None
         self._worker: OmniKVWorker | None = None
+        self._sleep: WorkerSleep | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._sched = OmniKVScheduler(
                 vllm_config, self.omni_config, engine_id, kv_cache_config=kv_cache_config
@@ -92,6 +94,7 @@ class OmniKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker = OmniKVWorker(
                 vllm_config, self.omni_config, engine_id, kv_cache_config=kv_cache_config
             )
+            self._sleep = WorkerSleep(self._worker)
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
@@ -101,6 +104,14 @@ class OmniKVConnector(KVConnectorBase_V1, SupportsHMA):
         ktc = getattr(vllm_config, "kv_transfer_config", None)
         extra = getattr(ktc, "kv_connector_extra_config", None) or {}
         return parse_omni_kv_config(extra).kv_cache_layout
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """vLLM 0.33's check for ``--enable-sleep-mode``: whether this config's backend
+        withdraws and restores its exports around sleep (:func:`.sleep.supports_sleep`)."""
+        return supports_sleep(
+            kv_transfer_config.kv_connector_extra_config, kv_transfer_config.kv_role
+        )
 
     # -- helpers ---------------------------------------------------------------------------
     @property
@@ -126,6 +137,16 @@ class OmniKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker_half.register_kv_caches(kv_caches)
+
+    def unregister_kv_caches(self) -> None:
+        # vLLM 0.33's sleep / discard: nothing may read or write the cache after this
+        if self._sleep is not None:
+            self._sleep.sleep()
+
+    def restore_kv_caches(self) -> None:
+        # vLLM 0.33's wake-up: the cache is exported (registered) again, a new generation
+        if self._sleep is not None:
+            self._sleep.wake()
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         # both runners call this before the forward that may reuse preempted blocks

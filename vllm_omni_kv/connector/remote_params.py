@@ -25,6 +25,11 @@ MAX_TP_SIZE = 1024
 MAX_ID_CHARS = 256
 #: the longest host name accepted
 MAX_HOST_CHARS = 253
+#: the most KV cache groups, and block ids in all, a ``remote_block_ids`` may name
+MAX_BLOCK_GROUPS = 64
+MAX_BLOCK_IDS = 1 << 20
+#: block ids are non-negative 32-bit integers
+MAX_BLOCK_ID = (1 << 31) - 1
 _HOST = re.compile(r"^[A-Za-z0-9.\-:\[\]_]+$")
 
 
@@ -41,6 +46,8 @@ class RemoteParams:
     host: str | None
     port: int | None
     tp_size: int | None
+    #: ``remote_block_ids`` per KV cache group (a 0.32-era flat list: one group); None if absent
+    block_ids: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def transfer_id(self) -> str:
@@ -82,6 +89,39 @@ def _host(params: Mapping[str, Any]) -> str | None:
     return host
 
 
+def _block_list(value: Any, name: str) -> tuple[int, ...]:
+    """One group's block ids: a list of at most ``MAX_BLOCK_IDS`` ints in range."""
+    if not isinstance(value, list | tuple):
+        raise RemoteParamsError(f"{name} is not a list")
+    if len(value) > MAX_BLOCK_IDS:
+        raise RemoteParamsError(f"{name} names more than {MAX_BLOCK_IDS} blocks")
+    for b in value:
+        if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b <= MAX_BLOCK_ID:
+            raise RemoteParamsError(
+                f"{name} holds {b!r:.40}, not a block id in [0, {MAX_BLOCK_ID}]"
+            )
+    return tuple(value)
+
+
+def _block_ids(params: Mapping[str, Any]) -> tuple[tuple[int, ...], ...] | None:
+    """``remote_block_ids``: one list per KV cache group, as vLLM's connectors give it, or
+    one flat list (a single group, as this package's producers gave it with vLLM 0.32)."""
+    value = params.get("remote_block_ids")
+    if value is None:
+        return None
+    if not isinstance(value, list | tuple):
+        raise RemoteParamsError("remote_block_ids is not a list")
+    if not value or not isinstance(value[0], list | tuple):
+        return (_block_list(value, "remote_block_ids"),)
+    if len(value) > MAX_BLOCK_GROUPS:
+        raise RemoteParamsError(f"remote_block_ids has more than {MAX_BLOCK_GROUPS} groups")
+    if not all(isinstance(g, list | tuple) for g in value):
+        raise RemoteParamsError("remote_block_ids mixes lists and block ids")
+    if sum(len(g) for g in value) > MAX_BLOCK_IDS:
+        raise RemoteParamsError(f"remote_block_ids names more than {MAX_BLOCK_IDS} blocks")
+    return tuple(_block_list(g, f"remote_block_ids[{i}]") for i, g in enumerate(value))
+
+
 def parse_remote_params(params: Mapping[str, Any], local_tp_size: int) -> RemoteParams:
     """The validated remote fields of ``params``; :class:`RemoteParamsError` says what is
     wrong. ``tp_size`` must divide or be a multiple of ``local_tp_size``."""
@@ -97,4 +137,5 @@ def parse_remote_params(params: Mapping[str, Any], local_tp_size: int) -> Remote
         host=_host(params),
         port=_int(params, "remote_port", 0, 65535) or None,  # 0: no side channel (shm)
         tp_size=tp,
+        block_ids=_block_ids(params),
     )

@@ -16,7 +16,9 @@ Protocol (NIXL's, so existing proxies and routers work unchanged):
   the rest itself and tells the producer to release its payload. While such a
   request waits for blocks, the scheduler asks the worker every
   ``extend_every(send_ttl)`` seconds to extend its payload's lease at the producer
-  (see :mod:`.handoff`), so a long queue does not let it expire.
+  (see :mod:`.handoff`), so a long queue does not let it expire. vLLM 0.33 may call
+  ``update_state_after_alloc`` steps after admitting the request (steps in flight), or
+  never (the request freed first: ``request_finished`` releases the payload).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from vllm_omni_kv.connector.metadata import (
     OmniKVWorkerMetadata,
     RemotePayload,
     SaveSpec,
+    merge_load,
     prompt_digest,
     transfer_id,
 )
@@ -282,11 +285,15 @@ class OmniKVScheduler:
                 self._to_save[req_id] = saved[1]
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        # TP ranks' outcomes of one load can come in different steps (a rank finished
+        # later, or vLLM replays a failed worker's output a step late): merged, so a
+        # failure on any rank stays one.
         wm = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(wm, OmniKVWorkerMetadata):
             for req_id, res in wm.loads.items():
                 if req_id in self._loading:
-                    self._load_results[req_id] = res
+                    seen = self._load_results.get(req_id)
+                    self._load_results[req_id] = res if seen is None else merge_load(seen, res)
 
     def request_finished(
         self, request: Request, block_ids: Sequence[Any] = ()
@@ -318,8 +325,8 @@ class OmniKVScheduler:
                 "remote_transfer_id": spec.transfer_id,
                 "remote_host": self.cfg.remote_host,
                 "remote_port": self.cfg.remote_port,
-                # per group (the blocks each keeps) with several groups, as vLLM's NIXL
-                "remote_block_ids": kept_blocks(spec.tables()) if self.hybrid else spec.block_ids,
+                # one list per KV cache group (the blocks each keeps), as vLLM's connectors
+                "remote_block_ids": kept_blocks(spec.tables()),
                 "remote_num_tokens": spec.num_tokens,
                 "tp_size": self.tp_size,
                 "omni_from_stage": self.cfg.from_stage,

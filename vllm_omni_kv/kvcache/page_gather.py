@@ -64,3 +64,10 @@ def iter_gather_pages(pv: torch.Tensor, ids: Sequence[int], out: torch.Tensor) -
                 yield reported * per
     if reported < len(ids):
         yield len(ids) * per
+
+
+def host_bytes(t: torch.Tensor) -> memoryview:
+    """A writable byte view of the memory of ``t`` (from its first to its last byte)."""
+    n = (t.shape[0] - 1) * t.stride(0) * t.element_size() + t[0].numel() * t.element_size()
+    buf = (ctypes.c_char * n).from_address(t.data_ptr())
+    return memoryview(buf).cast("B")

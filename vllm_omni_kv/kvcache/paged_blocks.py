@@ -19,7 +19,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +36,8 @@ from vllm_omni_kv.kvcache.cache_layout import (
     logical_from_pages,
     page_view,
 )
-from vllm_omni_kv.kvcache.device_staging import DeviceStager
+from vllm_omni_kv.kvcache.device_order import settle, streams_of
+from vllm_omni_kv.kvcache.device_staging import DeviceStager, layer_callbacks
 from vllm_omni_kv.kvcache.layer_windows import (
     check_window,
     first_blocks_field,
@@ -44,7 +45,15 @@ from vllm_omni_kv.kvcache.layer_windows import (
     payload_first_blocks,
 )
 from vllm_omni_kv.kvcache.meta import PAGED_BLOCKS, TOKEN_MAJOR, PayloadMeta
-from vllm_omni_kv.kvcache.page_gather import STEP_BYTES, addressable, block_runs, iter_gather_pages
+from vllm_omni_kv.kvcache.page_convert import convert_pages
+from vllm_omni_kv.kvcache.page_gather import (
+    STEP_BYTES,
+    addressable,
+    block_runs,
+    host_bytes,
+    iter_gather_pages,
+)
+from vllm_omni_kv.kvcache.page_scatter import PageCopy, apply_scatter, scatter_all
 from vllm_omni_kv.wire.codec import LazyTensor
 from vllm_omni_kv.wire.payload import KVCacheTransferData
 from vllm_omni_kv.wire.stream import CopyOut, PayloadStream, Span
@@ -125,10 +134,8 @@ def extract_request_blocks(
         if pv is None:
             layers.append(None)
             continue
-        fill: Callable[[torch.Tensor], Iterator[int]] = (
-            functools.partial(iter_gather_pages, pv, own[f:]) if staged is None else staged.fill(i)
-        )
-        layers.append(LazyTensor((needed - f, *ident.page_shape), pv.dtype, fill, pv.device))
+        fill, place = layer_callbacks(staged, i, functools.partial(iter_gather_pages, pv, own[f:]))
+        layers.append(LazyTensor((needed - f, *ident.page_shape), pv.dtype, fill, pv.device, place))
     meta = PayloadMeta(PAGED_BLOCKS, int(num_tokens), bs, needed * bs, len(layers), ident)
     extra = {**(metadata or {}), **(first_blocks_field(windows) if layer_first else {})}
     return KVCacheTransferData(request_id, {KV_BLOCKS: layers}, ids, meta.to_dict(**extra))
@@ -176,15 +183,11 @@ def _span(t: torch.Tensor, frame_address: int) -> Span:
     return start, start + t.numel() * t.element_size()
 
 
-def _host_bytes(t: torch.Tensor) -> memoryview:
-    """A writable byte view of the memory of ``t`` (from its first to its last byte)."""
-    n = (t.shape[0] - 1) * t.stride(0) * t.element_size() + t[0].numel() * t.element_size()
-    buf = (ctypes.c_char * n).from_address(t.data_ptr())
-    return memoryview(buf).cast("B")
-
-
 class BlocksPlan:
     """Where each payload page goes; built by :func:`plan_block_injection`."""
+
+    #: whether the plan writes pages only (into a device cache: through :mod:`.page_scatter`)
+    pages_only = True
 
     def __init__(self, tokens: int, copies: list[_Copy], src: KVLayoutId, dst: KVLayoutId) -> None:
         self.tokens = tokens
@@ -209,6 +212,10 @@ class BlocksPlan:
         part of the payload: do not use them.
         """
         base = stream.frame_address
+        streams = streams_of(self.copies[0].cache.device) if self.copies else None
+        if streams is not None and self.raw and self.pages_only:  # one host wait
+            apply_scatter(stream, self.spans(base), self.page_copies(), deadline, cancel)
+            return self.tokens
         tasks = self._tasks(base)
         if base is not None and all(t[5] is None for t in tasks):
             outs: list[CopyOut] = []
@@ -228,12 +235,13 @@ class BlocksPlan:
                 i += 1
         if i < len(tasks):
             raise KVPayloadError(f"the stream ended with {len(tasks) - i} block copies not done")
-        device = self.copies[0].cache.device if self.copies else None
-        if device is not None and device.type == "cuda":
-            # the frame is released when the caller closes the stream: copies out of it
-            # must have completed by then
-            torch.cuda.current_stream(device).synchronize()
+        if streams is not None:  # conversions into a device cache: done before the frame goes
+            settle(streams, self.copies[0].cache.device)
         return self.tokens
+
+    def page_copies(self) -> list[PageCopy]:
+        """The plan's copies for :mod:`.page_scatter` (identities with the same bytes)."""
+        return [PageCopy(c.src, page_view(c.cache, self.dst_layout), c.ids) for c in self.copies]
 
     def write(self, c: _Copy) -> None:
         """Write one layer's pages (after its bytes are final), converting when needed."""
@@ -257,7 +265,8 @@ class BlocksPlan:
         tasks: list[_Task] = []
         for c in self.copies:
             pv = page_view(c.cache, self.dst_layout)
-            addr = addressable(pv) if self.raw and c.src.device.type == "cpu" else None
+            host = c.src.device.type == "cpu" and streams_of(pv.device) is None
+            addr = addressable(pv) if self.raw and host else None
             if frame_address is None or addr is None:
                 end = 0 if frame_address is None else _span(c.src, frame_address)[1]
                 tasks.append((end, 0, 0, 0, None, functools.partial(self.write, c)))
@@ -265,7 +274,7 @@ class BlocksPlan:
             per, stride = addr
             start = c.src.data_ptr() - frame_address
             limit = max(1, STEP_BYTES // per) if stride == per else 1
-            whole = _host_bytes(pv)
+            whole = host_bytes(pv)
             base, s = pv.data_ptr(), c.src.data_ptr()
             runs = block_runs(c.ids) if stride == per else [(i, b, 1) for i, b in enumerate(c.ids)]
             for off, first, n in runs:
@@ -277,26 +286,6 @@ class BlocksPlan:
                     tasks.append((end, base + at, s + (off + j) * per, k * per, view, None))
         tasks.sort(key=lambda t: t[0])
         return tasks
-
-
-def convert_pages(
-    src: torch.Tensor, src_id: KVLayoutId, cache: torch.Tensor, dst_id: KVLayoutId, ids: list[int]
-) -> None:
-    """Write pages ``src`` (of layout ``src_id``) into blocks ``ids`` of ``cache`` token by
-    token, on the cache's device (the identities must be convertible)."""
-    n = src.shape[0]
-    if n == 0:
-        return
-    logical = logical_from_pages(src.to(cache.device), src_id)
-    sk, sv = block_token_views(logical, src_id)
-    dk, dv = block_token_views(cache, dst_id)
-    shape = (n, dst_id.ratio, dst_id.kernel_block_size, *dk.shape[3:])
-    idx = torch.tensor(ids, dtype=torch.long, device=cache.device)
-    for s, d in ((sk, dk), (sv, dv)):
-        if s is None or d is None:
-            continue
-        tokens = bits(s).reshape(n, src_id.block_size, *s.shape[3:]).reshape(shape)
-        bits(d).index_copy_(0, idx, tokens)
 
 
 def _target_identity(cache: torch.Tensor, layout: LayoutArg, src_id: KVLayoutId) -> KVLayoutId:
@@ -410,6 +399,10 @@ def inject_request_blocks(
         layer_ids=layer_ids,
         layer_first=layer_first,
     )
+    streams = streams_of(plan.copies[0].cache.device) if plan.copies else None
+    if streams is not None and plan.raw:  # ids uploaded once, one scatter per layer
+        scatter_all(plan.page_copies(), plan.copies[0].cache.device, streams)
+        return plan.tokens
     for c in plan.copies:
         plan.write(c)
     return plan.tokens

@@ -140,3 +140,22 @@ def scatter_request_kv(blocks: torch.Tensor, block_ids: BlockIds, src: torch.Ten
                 dst[b].copy_(chunks[j])
     if tail:
         dst[int(ids[needed - 1])][:tail].copy_(source[full * bs :])
+
+
+def scatter_checked(
+    blocks: torch.Tensor, ids: torch.Tensor, tail_block: int, src: torch.Tensor
+) -> None:
+    """:func:`scatter_request_kv` without a host wait, for a device cache: ``ids`` are on
+    the device of ``blocks`` and were checked on the host (distinct, in range, one per
+    block of ``src``'s rows); ``tail_block`` holds a partial last block's rows. ``src``
+    crosses to the device without waiting (the caller waits once per move)."""
+    _, bs, h, d = blocks.shape
+    rows = int(src.shape[0])
+    full, tail = rows // bs, rows % bs
+    if src.device != blocks.device:
+        src = src.to(blocks.device, non_blocking=True)
+    dst, source = _byte_view(blocks), _byte_view(src)
+    if full:
+        dst.index_copy_(0, ids[:full], source[: full * bs].reshape(full, bs, h, d))
+    if tail:
+        dst[tail_block][:tail].copy_(source[full * bs :])

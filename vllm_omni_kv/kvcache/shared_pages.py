@@ -15,17 +15,19 @@ for a model with several KV cache groups: :mod:`~vllm_omni_kv.kvcache.page_group
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
-import xxhash
 
 from vllm_omni_kv.errors import KVPayloadError
-from vllm_omni_kv.kvcache.cache_layout import KVLayoutId, check_view, dense_pages, page_view
+from vllm_omni_kv.kvcache.cache_layout import KVLayoutId, check_view, page_view
 from vllm_omni_kv.kvcache.meta import SHARED_PAGES, PayloadMeta
-from vllm_omni_kv.kvcache.page_copy import STREAM_MIN_BYTES, copy_runs, pack_runs
+from vllm_omni_kv.kvcache.move_plan import MovePlan
+from vllm_omni_kv.kvcache.move_plan import page_runs as page_runs  # re-exported
+from vllm_omni_kv.kvcache.movers import move
+from vllm_omni_kv.kvcache.page_digests import check_pages as check_pages  # re-exported
+from vllm_omni_kv.kvcache.page_digests import page_digests, page_sums
 from vllm_omni_kv.kvcache.page_groups import (
     GROUPS,
     PageGroup,
@@ -37,8 +39,6 @@ from vllm_omni_kv.kvcache.page_groups import (
 from vllm_omni_kv.wire.payload import KVCacheTransferData
 
 SHARED = "shared"
-#: copies of host pages are split in steps of about this size, each verified while in cache
-VERIFY_STEP = 1 << 20
 
 Geometry = list[list[Any]]  # per layer: [byte offset, shape (4 ints), stride (4 ints)]
 
@@ -104,28 +104,6 @@ def attach_layers(
     return views
 
 
-def _page_digest(page: torch.Tensor) -> int:
-    flat = page.reshape(-1).view(torch.uint8)  # a copy only for a strided (non-dense) page
-    return xxhash.xxh3_64_intdigest(flat.numpy().data)
-
-
-def _page_digests(pv: torch.Tensor, ids: Sequence[int]) -> list[int]:
-    if not dense_pages(pv):
-        return [_page_digest(pv[b]) for b in ids]
-    per, stride, base = (
-        pv[0].numel() * pv.element_size(),
-        pv.stride(0) * pv.element_size(),
-        pv.data_ptr(),
-    )
-    page = ctypes.c_char * per  # hashed in place, by address: no tensor per page
-    return [xxhash.xxh3_64_intdigest(page.from_address(base + b * stride)) for b in ids]
-
-
-def page_sums(pages: Sequence[torch.Tensor], ids: Sequence[int]) -> list[list[int]]:
-    """One xxh3-64 digest per page ``ids`` of each layer's page view (host caches)."""
-    return [_page_digests(pv, ids) for pv in pages]
-
-
 def describe_request(
     request_id: str,
     block_ids: Sequence[int],
@@ -150,7 +128,7 @@ def describe_request(
         kept = build_groups(groups, needed, nblocks)
         pages = [page_view(c, ident) for c in caches]
         rows = {i: g.block_ids for g in kept for i in g.layers}
-        sums = [_page_digests(pv, rows[i]) for i, pv in enumerate(pages)] if digests else None
+        sums = [page_digests(pv, rows[i]) for i, pv in enumerate(pages)] if digests else None
         fields = {**shared, "sums": sums, GROUPS: groups_field(kept)}
         meta = PayloadMeta(SHARED_PAGES, int(num_tokens), bs, needed * bs, len(caches), ident)
         md = meta.to_dict(**(metadata or {}), **{SHARED: fields})
@@ -205,17 +183,18 @@ def shared_groups(
     return meta, shared, ids, groups
 
 
-def page_runs(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int, int]]:
-    """``(index of first pair, src id, dst id, n)`` for runs consecutive on both sides."""
-    runs: list[tuple[int, int, int, int]] = []
-    for i, (s, d) in enumerate(pairs):
-        if runs:
-            i0, s0, d0, n = runs[-1]
-            if s0 + n == s and d0 + n == d:
-                runs[-1] = (i0, s0, d0, n + 1)
-                continue
-        runs.append((i, s, d, 1))
-    return runs
+class PageCopy(NamedTuple):
+    """One part of a move out of a producer's cache: layers at ``geometry`` in its region
+    (pages of ``ident``) into the local page views of ``caches``, producer page ``s`` to
+    local page ``d`` for each pair; ``sums``: per-layer payload digests to verify
+    (``pairs[j]`` is payload page ``first + j``)."""
+
+    geometry: Any
+    ident: KVLayoutId
+    caches: Sequence[torch.Tensor]
+    pairs: Sequence[tuple[int, int]]
+    sums: list[list[int]] | None
+    first: int
 
 
 def copy_pages(
@@ -227,78 +206,9 @@ def copy_pages(
 ) -> int:
     """Copy page ``s`` of each layer's ``src`` page view into page ``d`` of ``dst`` for
     every ``(s, d)`` in ``pairs``; returns bytes copied. With ``sums`` (digests of the
-    payload's pages; ``pairs[j]`` is payload page ``first + j``) each destination page is
-    verified right after it is written: ``KVPayloadError`` on a mismatch, and (before
-    anything is copied) for a pair outside either cache. Dense host pages are one
-    native call per layer (:mod:`~vllm_omni_kv.kvcache.page_copy`; streaming stores for
-    copies of at least ``STREAM_MIN_BYTES``); anything else is a tensor copy per run."""
-    if pairs and src:  # pages are copied by address: never outside either cache
-        s_ids, d_ids = [s for s, _ in pairs], [d for _, d in pairs]
-        n_src, n_dst = min(int(p.shape[0]) for p in src), min(int(p.shape[0]) for p in dst)
-        if min(s_ids) < 0 or max(s_ids) >= n_src or min(d_ids) < 0 or max(d_ids) >= n_dst:
-            raise KVPayloadError(
-                f"shared-pages payload: source pages {min(s_ids)}..{max(s_ids)} of the "
-                f"producer's {n_src} or destination pages {min(d_ids)}..{max(d_ids)} of "
-                f"{n_dst} lie outside a cache (a corrupt payload)"
-            )
-    runs = page_runs(pairs)
-    table = pack_runs(sorted((s0, d0, n) for _i0, s0, d0, n in runs))  # reads in order
-    stream = bool(src) and len(pairs) * sum(_page_bytes(p) for p in src) >= STREAM_MIN_BYTES
-    moved = 0
-    for layer, (sp, dp) in enumerate(zip(src, dst, strict=True)):
-        esize, per = sp.element_size(), _page_bytes(sp)
-        s_stride, d_stride = sp.stride(0) * esize, dp.stride(0) * dp.element_size()
-        host = dense_pages(sp) and dense_pages(dp) and s_stride >= per
-        if host and sums is None and d_stride >= per:  # the common case: one native call
-            moved += copy_runs(
-                (dp.data_ptr(), d_stride, int(dp.shape[0])),
-                (sp.data_ptr(), s_stride, int(sp.shape[0])),
-                per,
-                table,
-                stream,
-            )
-            continue
-        for i0, s0, d0, n in runs:
-            if host:
-                step = max(1, VERIFY_STEP // per) if s_stride == per == d_stride else 1
-                for j in range(0, n, step):
-                    k = min(step, n - j)
-                    ctypes.memmove(
-                        dp.data_ptr() + (d0 + j) * d_stride,
-                        sp.data_ptr() + (s0 + j) * s_stride,
-                        k * per,
-                    )
-                    if sums is not None:
-                        check_pages(dp, d0 + j, k, sums[layer], first + i0 + j, layer)
-            else:
-                dp[d0 : d0 + n].copy_(sp[s0 : s0 + n], non_blocking=True)
-                if sums is not None:
-                    check_pages(dp, d0, n, sums[layer], first + i0, layer)
-            moved += n * per
-    return moved
-
-
-def _page_bytes(pv: torch.Tensor) -> int:
-    return int(pv[0].numel()) * pv.element_size()
-
-
-def check_pages(
-    dp: torch.Tensor,
-    d0: int,
-    n: int,
-    sums: list[int],
-    p0: int,
-    layer: int,
-    what: str = "shared-pages payload",
-) -> None:
-    """Verify pages ``d0..d0+n`` of the page view ``dp`` against payload pages ``p0..``
-    of ``sums`` (hashed in place on the host; device pages are copied to the host first);
-    ``KVPayloadError`` naming ``what``, the layer and the page on a mismatch."""
-    pages = dp if dp.device.type == "cpu" else dp[d0 : d0 + n].cpu()
-    ids = range(d0, d0 + n) if dp.device.type == "cpu" else range(n)
-    for j, got in enumerate(_page_digests(pages, ids)):
-        if got != sums[p0 + j]:
-            raise KVPayloadError(
-                f"{what}: layer {layer} page {p0 + j} does not match the producer's digest "
-                "(its block was rewritten while being read)"
-            )
+    payload's pages; ``pairs[j]`` is payload page ``first + j``) the written pages are
+    verified: ``KVPayloadError`` on a mismatch, and (before anything is copied) for a
+    pair outside either cache. One :class:`~vllm_omni_kv.kvcache.move_plan.MovePlan`,
+    moved by the mover for the two memory kinds (:mod:`~vllm_omni_kv.kvcache.movers`);
+    a device move is queued, ordered before the current stream's later work."""
+    return move(MovePlan.whole(src, dst, pairs, sums, first))

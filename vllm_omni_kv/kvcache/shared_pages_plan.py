@@ -22,7 +22,7 @@ from vllm_omni_kv.kvcache.meta import PAGED_BLOCKS
 from vllm_omni_kv.kvcache.page_groups import GROUPS as SHARED_GROUPS
 from vllm_omni_kv.kvcache.page_groups import group_copies
 from vllm_omni_kv.kvcache.paged_blocks import KV_BLOCKS
-from vllm_omni_kv.kvcache.shared_pages import SHARED, attach_layers, shared_groups
+from vllm_omni_kv.kvcache.shared_pages import SHARED, PageCopy, attach_layers, shared_groups
 from vllm_omni_kv.kvcache.shared_states import SharedStates, StatePage
 from vllm_omni_kv.wire.stream import PayloadStream, Span
 
@@ -39,17 +39,9 @@ class PageSource(Protocol):
     def attach(self, descriptor: Any) -> torch.Tensor:
         """A flat ``uint8`` tensor over the producer's region (regions this process maps)."""
 
-    def copy_into(
-        self,
-        descriptor: Any,
-        geometry: Any,
-        ident: KVLayoutId,
-        caches: Sequence[torch.Tensor],
-        pairs: Sequence[tuple[int, int]],
-        sums: list[list[int]] | None,
-        first: int,
-    ) -> int:
-        """Copy producer page ``s`` into local page ``d`` for each pair; bytes copied."""
+    def copy_all(self, descriptor: Any, copies: Sequence[PageCopy], wait: bool = False) -> int:
+        """Copy every part (producer page ``s`` into local page ``d`` for each pair) as
+        one move; bytes copied. ``wait``: return once the pages are written."""
 
 
 class SharedPagesPlan:
@@ -100,6 +92,10 @@ class SharedPagesPlan:
         self.tokens = max(0, meta.num_tokens - first_block * meta.block_size)
         self.moved = 0  # bytes copied (the frame itself moves none of them)
 
+    def _pick(self, layers: list[int]) -> Callable[[list[Any]], list[Any]]:
+        """The rows of ``layers`` of a per-layer list (all of it for a single group)."""
+        return (lambda rows: rows) if self.whole else (lambda rows: [rows[i] for i in layers])
+
     @property
     def pairs(self) -> list[tuple[int, int]]:
         """Every ``(producer page, local page)`` copied, over all groups."""
@@ -117,27 +113,22 @@ class SharedPagesPlan:
             return self.tokens
         geometry: list[Any] = self.shared["geometry"]  # checked: one entry per layer
         sums: list[list[int]] | None = self.shared.get("sums") if self.verify else None
-        with self.source.reading(self.shared.get("hold")):
-            for c in copies:
-                pick = (lambda rows: rows) if self.whole else _picker(c.layers)
-                self.moved += self.source.copy_into(
-                    self.shared.get("region"),
-                    pick(geometry),
-                    self.ident,
-                    pick(list(self.caches)),
-                    c.pairs,
-                    None if sums is None else pick(sums),
-                    c.first,
-                )
-            self.moved += self.states.copy(self.source, self.shared.get("region"), self.verify)
-            if self.caches[0].device.type == "cuda":  # the blocks are read before the
-                torch.cuda.current_stream().synchronize()  # hold goes back
+        parts = [
+            PageCopy(
+                pick(geometry),
+                self.ident,
+                pick(list(self.caches)),
+                c.pairs,
+                None if sums is None else pick(sums),
+                c.first,
+            )
+            for c, pick in ((c, self._pick(c.layers)) for c in copies)
+        ]
+        parts += self.states.copies(self.verify)
+        with self.source.reading(self.shared.get("hold")):  # the blocks are read (one
+            region = self.shared.get("region")  # host wait) before the hold goes back
+            self.moved += self.source.copy_all(region, parts, wait=True)
         return self.tokens
-
-
-def _picker(layers: list[int]) -> Callable[[list[Any]], list[Any]]:
-    """The rows of ``layers`` of a per-layer list."""
-    return lambda rows: [rows[i] for i in layers]
 
 
 #: torch dtypes of the identity's dtype names that are not torch attribute names

@@ -13,29 +13,32 @@ and ``metadata["state_layouts"]`` each state layer's :class:`StateLayoutId`, key
 its payload index (the attention layer count plus ``i``), as in a packed payload. ``C``
 is the state's content: the padding vLLM adds to a state block does not move. The
 consumer refuses a payload whose states do not match its own (count, identities) and
-copies each page into its own state block under the payload's hold, in one
-:meth:`PageSource.copy_into` call per block pair.
+copies each page into its own state block under the payload's hold: one part
+(:class:`~vllm_omni_kv.kvcache.shared_pages.PageCopy`) per block pair and page size, moved
+with the attention pages in one plan.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from vllm_omni_kv.errors import KVPayloadError
 from vllm_omni_kv.kvcache.cache_layout import KVLayoutId, page_view
-from vllm_omni_kv.kvcache.shared_pages import is_layer_geometry, layer_geometry, page_sums
+from vllm_omni_kv.kvcache.shared_pages import (
+    PageCopy,
+    is_layer_geometry,
+    layer_geometry,
+    page_sums,
+)
 from vllm_omni_kv.kvcache.state_pages import (
     STATE_LAYOUTS,
     StateLayoutId,
     check_declared_state,
 )
-
-if TYPE_CHECKING:
-    from vllm_omni_kv.kvcache.shared_pages_plan import PageSource
 
 STATES = "states"
 
@@ -176,18 +179,17 @@ class SharedStates:
             calls.setdefault((src, t.block, t.ident.content_bytes), []).append(i)
         return [StateCopyCall(ls, (s, d), c) for (s, d, c), ls in calls.items()]
 
-    def copy(self, source: PageSource, descriptor: Any, verify: bool) -> int:
-        """Copy every state page (under the payload's hold); bytes copied."""
-        moved = 0
-        for call in self.calls:
-            ident = copy_ident(call.content_bytes)
-            moved += source.copy_into(
-                descriptor,
+    def copies(self, verify: bool) -> list[PageCopy]:
+        """The state pages as parts of the load's one move (under the payload's hold):
+        one part per block pair and page size, its layers one group."""
+        return [
+            PageCopy(
                 [self.geometry[i] for i in call.layers],
-                ident,
+                copy_ident(call.content_bytes),
                 [state_view(self.targets[i].pages) for i in call.layers],
                 [call.pair],
                 None if self.sums is None or not verify else [[self.sums[i]] for i in call.layers],
                 0,
             )
-        return moved
+            for call in self.calls
+        ]

@@ -201,6 +201,8 @@ def _span(t: torch.Tensor, frame_address: int) -> Span:
 class StatesPlan(BlocksPlan):
     """A paged-blocks plan plus the state pages of the same payload (or part)."""
 
+    pages_only = False  # its state copies are tasks too
+
     def __init__(self, blocks: BlocksPlan, states: list[StateCopy]) -> None:
         super().__init__(blocks.tokens, blocks.copies, blocks.src_layout, blocks.dst_layout)
         self.states = states

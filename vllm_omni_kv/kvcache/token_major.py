@@ -11,19 +11,23 @@ byte spans it needs, so a consumer holding a prefix loads only the rest.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from vllm_omni_kv.errors import KVPayloadError
+from vllm_omni_kv.kvcache.device_order import streams_of
+from vllm_omni_kv.kvcache.device_scratch import thread_scratch
 from vllm_omni_kv.kvcache.kv_utils import LayerKV, normalize_layer_kv
 from vllm_omni_kv.kvcache.meta import TOKEN_MAJOR, PayloadMeta
 from vllm_omni_kv.kvcache.request_blocks import (
     gather_request_kv,
     request_kv_shape,
+    scatter_checked,
     scatter_request_kv,
 )
 from vllm_omni_kv.wire.codec import LazyTensor
@@ -145,24 +149,70 @@ class TokensPlan:
             for i, c in enumerate(self.copies)
         )
         done = 0
-        for ready in stream.load(self.spans(fa), deadline, cancel):
-            while done < len(order) and order[done][0] <= ready:
-                self._write(self.copies[order[done][1]])
-                done += 1
-        if done < len(order):
-            raise KVPayloadError(f"the stream ended with {len(order) - done} layers not written")
+        with self._writer() as write:
+            for ready in stream.load(self.spans(fa), deadline, cancel):
+                while done < len(order) and order[done][0] <= ready:
+                    write(self.copies[order[done][1]])
+                    done += 1
+            if done < len(order):
+                raise KVPayloadError(
+                    f"the stream ended with {len(order) - done} layers not written"
+                )
         return self.tokens
 
     def write_all(self) -> int:
         """Write every planned layer now (a payload that is complete and verified)."""
-        for c in self.copies:
-            self._write(c)
+        with self._writer() as write:
+            for c in self.copies:
+                write(c)
         return self.tokens
+
+    @contextlib.contextmanager
+    def _writer(self) -> Iterator[Callable[[_Copy], None]]:
+        """The layer writer of one move. Into a device cache: block ids checked on the host
+        and uploaded once, no host wait per layer, one when the move ends (the frame may be
+        released after it)."""
+        device = self.copies[0].k_blocks.device if self.copies else None
+        streams = streams_of(device)
+        if device is None or streams is None:
+            yield self._write
+            return
+        ids = [_checked_ids(c) for c in self.copies]
+        with thread_scratch(device, streams).use() as scratch:
+            flat = scratch.ids([b for one in ids for b in one])
+            at, mine = 0, {}
+            for c, one in zip(self.copies, ids, strict=True):
+                mine[id(c)] = (flat[at : at + len(one)], one[-1] if one else 0)
+                at += len(one)
+
+            def write(c: _Copy) -> None:
+                dev_ids, tail = mine[id(c)]
+                scatter_checked(c.k_blocks, dev_ids, tail, c.key)
+                scatter_checked(c.v_blocks, dev_ids, tail, c.value)
+
+            try:
+                yield write
+            finally:  # also on an error: nothing still reads the frame when it goes
+                streams.current(device).synchronize()
 
     @staticmethod
     def _write(c: _Copy) -> None:
         scatter_request_kv(c.k_blocks, c.ids, c.key)
         scatter_request_kv(c.v_blocks, c.ids, c.value)
+
+
+def _checked_ids(c: _Copy) -> list[int]:
+    """The local blocks ``c``'s rows go to: distinct and in range (``KVPayloadError``)."""
+    bs, nblocks = int(c.k_blocks.shape[1]), int(c.k_blocks.shape[0])
+    needed = -(-int(c.key.shape[0]) // bs)
+    ids = [int(b) for b in c.ids[:needed]]
+    if len(ids) < needed:
+        raise KVPayloadError(f"{c.key.shape[0]} rows need {needed} blocks, {len(ids)} given")
+    if ids and (min(ids) < 0 or max(ids) >= nblocks):
+        raise KVPayloadError(f"block id out of range [0, {nblocks}): {min(ids)}..{max(ids)}")
+    if len(set(ids)) != len(ids):
+        raise KVPayloadError("block_ids used for one request must be distinct")
+    return ids
 
 
 def plan_token_injection(

@@ -9,8 +9,9 @@ in this one process (vLLM's ``InprocClient`` and ``uni`` executor, TP 1 only: on
 interpreter start instead of three). Commands: ``{"cmd": "generate", "prompts":
 [[token ids]...], "max_tokens": n, "kv_transfer_params": [dict|None...],
 "logprobs": k, "cache_salt": s}``, ``{"cmd": "abort_while_loading", "prompt": [token ids],
-"kv_transfer_params": dict}`` (in-process engines: :func:`_abort_while_loading`) and
-``{"cmd": "exit"}``; with ``logprobs`` each output carries ``top2``, the two highest
+"kv_transfer_params": dict}`` (in-process engines: :func:`_abort_while_loading`),
+``{"cmd": "sleep", "prompt": [token ids] | None, "kv_transfer_params": dict | None}``
+(in-process engines: :func:`_sleep`) and ``{"cmd": "exit"}``; with ``logprobs`` each output carries ``top2``, the two highest
 logprobs per generated token; ``cache_salt`` keeps the prompts' cached blocks apart from
 those of prompts with another salt (vLLM's prefix-cache salt).
 """
@@ -96,6 +97,9 @@ def _serve(cfg: dict[str, Any]) -> None:
         if req.get("cmd") == "abort_while_loading":
             _emit(_abort_while_loading(llm, req, SamplingParams))
             continue
+        if req.get("cmd") == "sleep":
+            _emit(_sleep(llm, req, SamplingParams))
+            continue
         _emit(_generate(llm, req, SamplingParams))
 
 
@@ -134,6 +138,55 @@ def _abort_while_loading(llm: Any, req: dict[str, Any], sampling_params: Any) ->
     out["requests_left"] = len(sched.requests)
     out["free_after"] = pool.get_num_free_blocks()
     return out
+
+
+def _sleep(llm: Any, req: dict[str, Any], sampling_params: Any) -> dict[str, Any]:
+    """vLLM 0.33's sleep and wake-up of the KV cache, as far as the connector sees them
+    (vLLM 0.32's CPU engine cannot sleep): ``unregister_kv_caches``, the cache overwritten
+    (sleep discards it), ``restore_kv_caches``. With ``prompt``, first add that request
+    with ``kv_transfer_params`` and step until it waits for its remote KV (its load in
+    flight), then after the wake-up step until it finishes: its tokens and
+    ``kv_transfer_params``. Then the prefix cache is cleared, as sleep clears it
+    (``prefix_cache_reset``). ``unregister_s``: how long ``unregister_kv_caches`` took."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    from vllm.v1.request import RequestStatus
+
+    engine = llm.llm_engine
+    sched = engine.engine_core.engine_core.scheduler
+    connector = get_kv_transfer_group()  # the worker's (in this process: uni executor)
+    rid = f"sleep-{time.time_ns()}"
+    if req.get("prompt"):
+        extra = {"kv_transfer_params": dict(req["kv_transfer_params"])}
+        sp = sampling_params(temperature=0, max_tokens=16, ignore_eos=True, extra_args=extra)
+        engine.add_request(rid, {"prompt_token_ids": req["prompt"]}, sp)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not any(
+            r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in sched.requests.values()
+        ):
+            engine.step()
+    t0 = time.monotonic()
+    connector.unregister_kv_caches()
+    out: dict[str, Any] = {"unregister_s": time.monotonic() - t0}
+    for layer in connector.worker_half.layers:
+        layer.cache.copy_(_garbage(layer.cache))
+    connector.restore_kv_caches()
+    deadline = time.monotonic() + 60
+    while (sched.requests or engine.has_unfinished_requests()) and time.monotonic() < deadline:
+        for o in engine.step():  # also hands back blocks the voided payloads held
+            if o.finished and o.request_id == rid:
+                out["token_ids"] = list(o.outputs[0].token_ids)
+                out["kv_transfer_params"] = o.kv_transfer_params
+    # sleep clears the prefix cache (vLLM's pause before it): no block cached from before
+    # the overwrite may be hit
+    out["prefix_cache_reset"] = llm.reset_prefix_cache()
+    return out
+
+
+def _garbage(like: Any) -> Any:
+    """Random values shaped and typed as tensor ``like`` (what a discarded cache holds)."""
+    import torch
+
+    return torch.randn(like.shape, generator=torch.Generator().manual_seed(5)).to(like.dtype)
 
 
 def _generate(llm: Any, req: dict[str, Any], sampling_params: Any) -> dict[str, Any]:
@@ -301,6 +354,20 @@ class EngineProc:
         assert self.proc.stdin is not None
         msg = {"cmd": "abort_while_loading", "prompt": prompt}
         self.proc.stdin.write(json.dumps({**msg, "kv_transfer_params": kv_transfer_params}) + "\n")
+        self.proc.stdin.flush()
+        return self._wait_reply(timeout)
+
+    def sleep(
+        self,
+        prompt: list[int] | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
+        timeout: float = 120.0,
+    ) -> dict[str, Any]:
+        """The KV cache put to sleep and woken (in-process engines: ``_sleep``), with
+        ``prompt``'s load in flight when one is given."""
+        assert self.proc.stdin is not None
+        msg = {"cmd": "sleep", "prompt": prompt, "kv_transfer_params": kv_transfer_params}
+        self.proc.stdin.write(json.dumps(msg) + "\n")
         self.proc.stdin.flush()
         return self._wait_reply(timeout)
 

@@ -20,8 +20,10 @@ Layout (little endian, format version 2)::
 Each data span is cut into chunks of ``chunk_bytes`` from its own offset; the
 prelude checksum (``checksum_alg == 1``) covers prelude, header and trailer, so
 a reader verifies exactly the chunks it reads. Frames packed on an accelerator
-(or with ``checksum=False``) carry ``checksum_alg == 0`` and no digests: their
-transports (RDMA, NVLink) have their own integrity checks.
+carry ``checksum_alg == 2``: their digests are the linear digest of
+:mod:`.linear_digest`, computed there with torch ops. Frames packed with
+``checksum=False`` carry ``checksum_alg == 0`` and no digests (readers refuse them
+unless told not to verify).
 
 A frame packed with an auth key (:mod:`.auth`) sets ``FLAG_MAC`` in the prelude
 and always carries digests; its trailer continues with a 16-byte keyed BLAKE2b
@@ -48,9 +50,11 @@ import torch
 
 from vllm_omni_kv.errors import KVPayloadError
 from vllm_omni_kv.wire.auth import AuthKey, head_mac
+from vllm_omni_kv.wire.device_frames import seal
 from vllm_omni_kv.wire.digests import ChunkMap, ChunkWriter, head_digest
 from vllm_omni_kv.wire.prelude import (
     ALIGN,
+    CHECKSUM_LINEAR,
     CHECKSUM_NONE,
     CHECKSUM_OFFSET,
     CHECKSUM_XXH3,
@@ -59,7 +63,6 @@ from vllm_omni_kv.wire.prelude import (
     HEAD_MAC_SIZE,
     MAGIC,
     MAX_CHUNK,
-    MAX_HEADER,
     MIN_CHUNK,
     PACK_STEP,
     PRELUDE,
@@ -68,7 +71,6 @@ from vllm_omni_kv.wire.prelude import (
     VERSION,
     Prelude,
     align_up,
-    parse_prelude,
     read_prelude,
 )
 from vllm_omni_kv.wire.unpack import (
@@ -76,11 +78,8 @@ from vllm_omni_kv.wire.unpack import (
     DTYPES,
     EXT_BLOB,
     EXT_TENSOR,
-    FrameInfo,
-    authenticate_frame,
     decode,
     decode_tensor,
-    materialize,
     parse,
 )
 
@@ -90,28 +89,20 @@ __all__ = [
     "CHECKSUM_OFFSET",
     "CHECKSUM_XXH3",
     "MAGIC",
-    "MAX_CHUNK",
-    "MAX_HEADER",
-    "MIN_CHUNK",
     "PACK_STEP",
     "PRELUDE",
     "PRELUDE_SIZE",
     "VERSION",
     "DTYPES",
     "DTYPE_NAMES",
-    "EXT_BLOB",
     "EXT_TENSOR",
-    "FrameInfo",
     "Frame",
     "LazyTensor",
     "align_up",
-    "authenticate_frame",
     "decode",
     "decode_tensor",
     "encode",
-    "materialize",
     "parse",
-    "parse_prelude",
     "read_prelude",
 ]
 
@@ -133,6 +124,9 @@ class LazyTensor:
     dtype: torch.dtype
     fill: Callable[[torch.Tensor], Iterator[int] | None]
     device: torch.device = torch.device("cpu")
+    #: told the destination of this tensor in a frame before any tensor of that frame is
+    #: filled (a source that fills several tensors with one copy learns where each goes)
+    place: Callable[[torch.Tensor], None] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -232,7 +226,7 @@ class Frame:
 
     # -- packing -----------------------------------------------------------------
     def _write_head(self, mv: memoryview, alg: int) -> None:
-        digests = self.chunks.count if alg == CHECKSUM_XXH3 else 0
+        digests = self.chunks.count if alg != CHECKSUM_NONE else 0
         flags = FLAG_MAC if self.auth is not None and alg == CHECKSUM_XXH3 else 0
         PRELUDE.pack_into(
             mv, 0, MAGIC, VERSION, alg, flags, len(self.header), self.data_len, 0, digests
@@ -265,6 +259,7 @@ class Frame:
             raise KVPayloadError(f"buffer of {mv.nbytes} bytes cannot hold a {size}-byte frame")
         alg = CHECKSUM_XXH3 if checksum else CHECKSUM_NONE
         self._write_head(mv, alg)
+        self._place(lambda start, nbytes, t: _host_view(mv, start, nbytes, t))
         yield self.data_start
         base = self.data_start
         flags = FLAG_MAC if self.auth is not None else 0
@@ -306,20 +301,45 @@ class Frame:
         self.pack_into(out)
         return out
 
-    def to_device_tensor(self, device: torch.device | str | None = None) -> torch.Tensor:
-        """Pack into one ``uint8`` tensor on ``device`` (the tensors' own device by default).
+    def to_device_tensor(
+        self,
+        device: torch.device | str | None = None,
+        out: torch.Tensor | None = None,
+        *,
+        on_device: bool = False,
+    ) -> torch.Tensor:
+        """Pack into one ``uint8`` tensor on ``device`` (the tensors' own device by default),
+        or into ``out`` (a ``uint8`` tensor of at least the frame's size, e.g. a pool block:
+        the data is copied once, straight into it); returns the packed bytes.
 
-        On an accelerator the frame carries no checksum and no digests.
+        On an accelerator (or with ``on_device``: torch ops on any device) the frame carries
+        linear chunk digests computed there (:mod:`.device_frames`); keyed frames are
+        packed on the host.
         """
+        if out is not None:
+            device = out.device
         dev = torch.device(device) if device is not None else self._default_device()
-        if dev.type == "cpu" or self.auth is not None:  # keyed frames are packed on the host
-            out = torch.empty(self.nbytes, dtype=torch.uint8)
-            self.pack_into(out.numpy())
-            return out.to(dev)
-        out = torch.zeros(self.plain_nbytes, dtype=torch.uint8, device=dev)
+        if (dev.type == "cpu" and not on_device) or self.auth is not None:
+            host_frame = torch.empty(self.nbytes, dtype=torch.uint8)
+            self.pack_into(host_frame.numpy())
+            if out is None:
+                return host_frame.to(dev)
+            out[: self.nbytes].copy_(host_frame)
+            return out[: self.nbytes]
+        size = self.nbytes
+        if out is None:
+            out = torch.empty(size, dtype=torch.uint8, device=dev)
+        elif out.dtype != torch.uint8 or out.dim() != 1 or out.numel() < size:
+            raise KVPayloadError(f"a {size}-byte frame needs a 1-D uint8 tensor of that size")
+        out = out[:size]
+        out.zero_()
         host = bytearray(self.data_start)
-        self._write_head(memoryview(host), CHECKSUM_NONE)
+        self._write_head(memoryview(host), CHECKSUM_LINEAR)
         out[: self.data_start].copy_(torch.frombuffer(host, dtype=torch.uint8))
+        frame = out
+        self._place(
+            lambda start, nbytes, t: frame[start : start + nbytes].view(t.dtype).view(t.shape)
+        )
         for t, (_dt, shape, off, nbytes) in zip(self.tensors, self.tensor_table):
             if nbytes:
                 start = self.data_start + off
@@ -330,7 +350,14 @@ class Frame:
                 warnings.simplefilter("ignore", UserWarning)
                 src = torch.frombuffer(b, dtype=torch.uint8)
             out[start : start + nbytes].copy_(src)
+        seal(out, host, self.chunks)
         return out
+
+    def _place(self, view: Callable[[int, int, LazyTensor], torch.Tensor]) -> None:
+        """Tell each lazy tensor that asks where it goes (``view(start, nbytes, t)``)."""
+        for off, nbytes, src in self._spans:
+            if isinstance(src, LazyTensor) and src.place is not None and nbytes:
+                src.place(view(self.data_start + off, nbytes, src))
 
     def _default_device(self) -> torch.device:
         for t in self.tensors:
@@ -353,6 +380,14 @@ def _memmove_ok(src: torch.Tensor, dst: torch.Tensor) -> bool:
     )
 
 
+def _host_view(mv: memoryview, start: int, nbytes: int, src: Any) -> torch.Tensor:
+    """``mv[start:start + nbytes]`` as a tensor of the dtype and shape of ``src``."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        u8 = torch.frombuffer(mv, dtype=torch.uint8, count=nbytes, offset=start)
+    return u8.view(src.dtype).view(tuple(src.shape))
+
+
 def _write_span(
     mv: memoryview, start: int, nbytes: int, src: Any, step: int = PACK_STEP
 ) -> Iterator[int]:
@@ -363,10 +398,7 @@ def _write_span(
             mv[start + pos : start + pos + n] = src[pos : pos + n]
             yield start + pos + n
         return
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        u8 = torch.frombuffer(mv, dtype=torch.uint8, count=nbytes, offset=start)
-    dst = u8.view(src.dtype).view(tuple(src.shape))
+    dst = _host_view(mv, start, nbytes, src)
     if isinstance(src, LazyTensor):
         last = 0
         for done in _progress(src.fill(dst)):

@@ -2,8 +2,10 @@
 
 Every data span (tensor or blob) is cut into chunks of the frame's chunk size,
 starting at the span's own offset (the last chunk of a span may be shorter).
-Chunks are numbered in data-offset order; chunk ``k``'s xxh3-64 digest is the
-u64 at ``trailer_start + 8 * k``. The prelude's checksum covers the prelude
+Chunks are numbered in data-offset order; chunk ``k``'s digest is the u64 at
+``trailer_start + 8 * k``: xxh3-64 (``checksum_alg`` 1, frames packed on the host) or
+the linear digest of :mod:`.linear_digest` (``checksum_alg`` 2, frames packed on a
+device). The prelude's checksum covers the prelude
 (less its checksum field), the header with its padding, and the trailer, so a
 reader that read the header, the trailer and some chunks verifies exactly the
 bytes it read. Padding between spans is covered by nothing and means nothing.
@@ -18,7 +20,10 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from vllm_omni_kv.errors import KVPayloadError
+from vllm_omni_kv.wire.linear_digest import host_digest
 from vllm_omni_kv.wire.prelude import (
+    CHECKSUM_LINEAR,
+    CHECKSUM_NONE,
     CHECKSUM_OFFSET,
     CHECKSUM_XXH3,
     DIGEST,
@@ -57,6 +62,10 @@ class ChunkMap:
             self._first.append(n)
             n += -(-nbytes // chunk_bytes)
         self.count = n
+
+    def spans(self) -> list[Span]:
+        """The data spans with bytes, as frame bytes ``[start, end)`` in offset order."""
+        return list(zip(self._starts, self._ends))
 
     def bounds(self, k: int) -> Span:
         """Frame bytes ``[start, end)`` of chunk ``k``."""
@@ -199,16 +208,22 @@ class ChunkWriter:
 
 def head_digest(mv: memoryview, p: Prelude) -> int:
     """The prelude checksum: prelude less its checksum field, header + padding, trailer."""
+    return digest_of_head(mv[: p.data_start], mv[p.trailer_start : p.total])
+
+
+def digest_of_head(head: Any, trailer: Any) -> int:
+    """The prelude checksum of a frame whose bytes ``[0, data_start)`` are ``head`` and
+    whose trailer is ``trailer`` (e.g. both copied off a device)."""
     h = xxhash.xxh3_64()
-    h.update(mv[:CHECKSUM_OFFSET])
-    h.update(mv[CHECKSUM_OFFSET + DIGEST_SIZE : p.data_start])
-    h.update(mv[p.trailer_start : p.total])
+    h.update(head[:CHECKSUM_OFFSET])
+    h.update(head[CHECKSUM_OFFSET + DIGEST_SIZE :])
+    h.update(trailer)
     return h.intdigest()
 
 
 def verify_head(mv: memoryview, p: Prelude) -> None:
     """Check the prelude checksum (read from ``mv`` now) against header and trailer."""
-    if p.alg != CHECKSUM_XXH3:
+    if p.alg == CHECKSUM_NONE:
         return
     expected = DIGEST.unpack_from(mv, CHECKSUM_OFFSET)[0]
     got = head_digest(mv, p)
@@ -220,15 +235,15 @@ def verify_head(mv: memoryview, p: Prelude) -> None:
         )
 
 
-def verify_chunk(
-    mv: memoryview, trailer_start: int, k: int, start: int, end: int, data: Any = None
-) -> None:
-    """Check chunk ``k`` (frame bytes ``[start, end)``) against its trailer digest.
+def chunk_digest(data: Any, alg: int = CHECKSUM_XXH3) -> int:
+    """The digest of one chunk's bytes under checksum algorithm ``alg``."""
+    if alg == CHECKSUM_LINEAR:
+        return host_digest(data)
+    return xxhash.xxh3_64_intdigest(data)
 
-    ``data``: where the chunk's bytes are checked (e.g. a copy of them); default the frame.
-    """
-    expected = DIGEST.unpack_from(mv, trailer_start + DIGEST_SIZE * k)[0]
-    got = xxhash.xxh3_64_intdigest(mv[start:end] if data is None else data)
+
+def check_digest(k: int, start: int, end: int, expected: int, got: int) -> None:
+    """Raise for chunk ``k`` (frame bytes ``[start, end)``) when ``got != expected``."""
     if got != expected:
         raise KVPayloadError(
             f"chunk {k} (frame bytes [{start}, {end})) checksum mismatch (expected "
@@ -237,11 +252,32 @@ def verify_chunk(
         )
 
 
-def verify_chunks(mv: memoryview, chunks: ChunkMap, runs: Sequence[Run]) -> int:
+def verify_chunk(
+    mv: memoryview,
+    trailer_start: int,
+    k: int,
+    start: int,
+    end: int,
+    data: Any = None,
+    alg: int = CHECKSUM_XXH3,
+) -> None:
+    """Check chunk ``k`` (frame bytes ``[start, end)``) against its trailer digest.
+
+    ``data``: where the chunk's bytes are checked (e.g. a copy of them); default the frame.
+    ``alg``: the frame's checksum algorithm (its prelude's).
+    """
+    expected = DIGEST.unpack_from(mv, trailer_start + DIGEST_SIZE * k)[0]
+    got = chunk_digest(mv[start:end] if data is None else data, alg)
+    check_digest(k, start, end, expected, got)
+
+
+def verify_chunks(
+    mv: memoryview, chunks: ChunkMap, runs: Sequence[Run], alg: int = CHECKSUM_XXH3
+) -> int:
     """Check every chunk of ``runs``; return the number of chunk bytes checked."""
     n = 0
     for first, last in runs:
         for k, s, e in chunks.iter_bounds(first, last):
-            verify_chunk(mv, chunks.trailer_start, k, s, e)
+            verify_chunk(mv, chunks.trailer_start, k, s, e, alg=alg)
             n += e - s
     return n

@@ -12,6 +12,9 @@ from vllm_omni_kv.errors import KVPayloadError
 MAX_NDIM = 8
 #: largest tensor dimension a frame may declare (a zero-size tensor's other dims included)
 MAX_DIM = 1 << 48
+#: largest product of a tensor's dimensions (zeros counted as 1) times its item size: a
+#: zero-size tensor's shape must still be one torch can allocate (its strides fit)
+MAX_EXTENT = 1 << 48
 
 
 def _is_int(x: Any) -> bool:
@@ -40,6 +43,12 @@ def check_tensor_table(
         if not (_is_int(off) and _is_int(nbytes)) or off < 0 or nbytes < 0:
             raise KVPayloadError(f"tensor #{i}: bad offset/nbytes {off!r}/{nbytes!r}")
         itemsize = torch.empty((), dtype=dtype).element_size()
+        extent = math.prod(max(d, 1) for d in shape) * itemsize
+        if extent > MAX_EXTENT:
+            raise KVPayloadError(
+                f"tensor #{i}: shape {shape} spans {extent} bytes (empty dimensions counted "
+                f"as 1), over the {MAX_EXTENT}-byte limit: not a vllm-omni-kv payload"
+            )
         if math.prod(shape) * itemsize != nbytes:
             raise KVPayloadError(
                 f"tensor #{i}: shape {shape} of {name} needs {math.prod(shape) * itemsize} "

@@ -3,7 +3,8 @@
 See :mod:`vllm_omni_kv.wire.codec` for the whole layout. The prelude alone
 gives every region's offset: header ``[32, 32 + header_len)``, data
 ``[data_start, data_start + data_len)`` with ``data_start = align_up(32 +
-header_len, 64)``, then the digest trailer of ``8 * digests`` bytes; a frame with
+header_len, 64)``, then the digest trailer of ``8 * digests`` bytes (xxh3-64 or, for
+``checksum_alg`` 2, the linear digest of :mod:`.linear_digest`); a frame with
 :data:`FLAG_MAC` (packed with an auth key, see :mod:`.auth`) continues the trailer
 with ``16 * digests`` bytes of chunk tags and a 32-byte head MAC.
 """
@@ -26,7 +27,12 @@ DIGEST = struct.Struct("<Q")
 DIGEST_SIZE = 8
 ALIGN = 64
 CHECKSUM_NONE = 0
+#: chunk digests: xxh3-64 (frames packed on the host)
 CHECKSUM_XXH3 = 1
+#: chunk digests: the linear digest of :mod:`.linear_digest` (frames packed on a device)
+CHECKSUM_LINEAR = 2
+#: the checksum algorithms with chunk digests (the prelude checksum is xxh3 for both)
+DIGEST_ALGS = (CHECKSUM_XXH3, CHECKSUM_LINEAR)
 #: prelude flag: the trailer carries keyed chunk tags and a head MAC (:mod:`.auth`)
 FLAG_MAC = 0x01
 TAG_SIZE = 16
@@ -108,8 +114,11 @@ def read_prelude(head: bytes | memoryview, available: int) -> Prelude:
         )
     if flags & ~FLAG_MAC:
         raise KVPayloadError(f"frame uses flags {flags:#x} that this build does not understand")
-    if alg not in (CHECKSUM_NONE, CHECKSUM_XXH3):
-        raise KVPayloadError(f"unknown checksum algorithm {alg}")
+    if alg not in (CHECKSUM_NONE, *DIGEST_ALGS):
+        raise KVPayloadError(
+            f"unknown checksum algorithm {alg}: the producer runs a newer vllm-omni-kv; "
+            "upgrade this stage to the same release"
+        )
     if flags & FLAG_MAC and alg != CHECKSUM_XXH3:
         raise KVPayloadError("authenticated frame without chunk digests")
     if alg == CHECKSUM_NONE and digests:

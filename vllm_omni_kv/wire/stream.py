@@ -325,7 +325,7 @@ class ChunkedStream(PayloadStream):
         mv, cm, base = self._mv, self._info.chunks, self.frame_address
         assert mv is not None and base is not None
         trailer, verify, count = cm.trailer_start, self._verify, self.count_chunks
-        mac, tags = self._mac, self._info.prelude.tags_start
+        mac, tags, alg = self._mac, self._info.prelude.tags_start, self._info.prelude.alg
         runs = cm.runs(spans)
         extents = [cm.extent(r) for r in runs]
         chunks = [c for r in runs for c in cm.iter_bounds(*r)]
@@ -353,7 +353,7 @@ class ChunkedStream(PayloadStream):
                 for k, s, e in chunks[ci : last + 1]:
                     if k > done_k and (s < start or e > end):
                         if verify:
-                            verify_chunk(mv, trailer, k, s, e)
+                            verify_chunk(mv, trailer, k, s, e, alg=alg)
                         if mac is not None:
                             verify_chunk_tag(mv, tags, k, s, e, mac)
             ctypes.memmove(dst, base + start, end - start)
@@ -362,7 +362,7 @@ class ChunkedStream(PayloadStream):
                     continue
                 if start <= s and e <= end:
                     if verify:
-                        verify_chunk(mv, trailer, k, s, e, view[s - start : e - start])
+                        verify_chunk(mv, trailer, k, s, e, view[s - start : e - start], alg)
                     if mac is not None:
                         verify_chunk_tag(mv, tags, k, s, e, mac, view[s - start : e - start])
                 if count:
@@ -376,7 +376,7 @@ class ChunkedStream(PayloadStream):
         mv, cm = self._mv, self._info.chunks
         assert mv is not None
         trailer, verify, count = cm.trailer_start, self._verify, self.count_chunks
-        mac, tags = self._mac, self._info.prelude.tags_start
+        mac, tags, alg = self._mac, self._info.prelude.tags_start, self._info.prelude.alg
         for run in runs:
             rs, re = cm.extent(run)
             avail = last = rs
@@ -384,7 +384,7 @@ class ChunkedStream(PayloadStream):
                 if e > avail:
                     avail = self._wait(avail, e, re, deadline, cancel)
                 if verify:
-                    verify_chunk(mv, trailer, k, s, e)
+                    verify_chunk(mv, trailer, k, s, e, alg=alg)
                 if mac is not None:
                     verify_chunk_tag(mv, tags, k, s, e, mac)
                 if count:

@@ -19,12 +19,15 @@ import torch
 
 from vllm_omni_kv.errors import KVPayloadError
 from vllm_omni_kv.wire.auth import AuthKey, verify_chunk_tag, verify_head_mac
+from vllm_omni_kv.wire.device_frames import verify as verify_on_device
 from vllm_omni_kv.wire.digests import ChunkMap, Run, verify_chunks
 from vllm_omni_kv.wire.digests import verify_head as check_head
 from vllm_omni_kv.wire.frame_tables import check_blob_table, check_chunk_bytes, check_tensor_table
 from vllm_omni_kv.wire.prelude import (
+    CHECKSUM_LINEAR,
     CHECKSUM_NONE,
     CHECKSUM_XXH3,
+    DIGEST_ALGS,
     MAX_CHUNK,
     MIN_CHUNK,
     PRELUDE_SIZE,
@@ -91,7 +94,7 @@ class FrameInfo:
 
     @property
     def has_digests(self) -> bool:
-        return self.prelude.alg == CHECKSUM_XXH3
+        return self.prelude.alg in DIGEST_ALGS
 
     def blob_runs(self) -> list[Run]:
         """The chunk runs covering the blobs (decoding copies them, so they must be final)."""
@@ -105,18 +108,20 @@ def parse(
     """Validate prelude and header (``head`` holds at least through the header).
 
     With ``verify_head`` the prelude checksum is compared over prelude, header and
-    trailer, so ``head`` must then hold the trailer too; data chunks are not read.
+    trailer, so ``head`` must then hold the trailer too; data chunks are not read. With
+    ``verify_head`` and ``require_checksum`` a frame without chunk digests is refused.
     """
     p = read_prelude(head, available)
     if head.nbytes < PRELUDE_SIZE + p.header_len:
         raise KVPayloadError("truncated frame: header extends past the available bytes")
     if verify_head and p.alg == CHECKSUM_NONE and require_checksum:
         raise KVPayloadError(
-            "frame carries no checksum (it was packed on an accelerator or with "
-            "checksum=False); decode it with from_bytes_device, or pass verify=False to "
-            "accept it unverified"
+            "frame carries no checksum (its producer packed it with checksum=False, e.g. "
+            "frame_checksum: false) and this reader requires chunk digests: pack it with "
+            "digests, or read it unverified (verify=False; a pull backend's consumer: "
+            "require_digests: false)"
         )
-    if verify_head:
+    if verify_head and p.alg != CHECKSUM_NONE:
         if head.nbytes < p.total:
             raise KVPayloadError("truncated frame: the digest trailer is not available")
         check_head(head, p)
@@ -151,7 +156,7 @@ def parse(
         if b_off < a_off + a_nb:
             raise KVPayloadError(f"overlapping data spans at offsets {a_off} and {b_off}")
     chunks = ChunkMap(p.data_start, spans, chunk_bytes, p.trailer_start)
-    if p.alg == CHECKSUM_XXH3 and p.digests != chunks.count:
+    if p.alg != CHECKSUM_NONE and p.digests != chunks.count:
         raise KVPayloadError(
             f"frame trailer holds {p.digests} chunk digests but its spans make "
             f"{chunks.count} chunks of {chunk_bytes} bytes"
@@ -230,42 +235,60 @@ def authenticate_frame(raw: Any, auth: AuthKey) -> FrameInfo:
     return info
 
 
-def decode(raw: Any, *, verify: bool = True, auth: AuthKey | None = None) -> Any:
+def decode(
+    raw: Any, *, verify: bool = True, auth: AuthKey | None = None, require_digests: bool = True
+) -> Any:
     """Decode a host frame. Tensors are zero-copy views of ``raw``; byte blobs are copied once.
 
-    With ``verify`` the prelude checksum and every chunk digest are checked; with
+    With ``verify`` the prelude checksum and every chunk digest are checked (a frame
+    without digests is refused unless ``require_digests`` is False); with
     ``auth`` the frame must be keyed with it and every MAC is checked too (without
     ``auth`` a keyed frame is decoded unauthenticated: readers that require
     authentication use :meth:`~.stream.PayloadStream.authenticate`). The views keep
     ``raw`` alive. Raises :class:`KVPayloadError` on any defect.
     """
     if isinstance(raw, torch.Tensor):
-        return decode_tensor(raw, verify=verify, auth=auth)
+        return decode_tensor(raw, verify=verify, auth=auth, require_digests=require_digests)
     mv = _as_bytes(raw)
     if auth is not None:
         authenticate_frame(mv, auth)
-    info = parse(mv, mv.nbytes, verify_head=verify)
-    if verify:
-        verify_chunks(mv, info.chunks, info.chunks.runs(None))
+    info = parse(mv, mv.nbytes, verify_head=verify, require_checksum=require_digests)
+    if verify and info.has_digests:
+        verify_chunks(mv, info.chunks, info.chunks.runs(None), info.prelude.alg)
     return materialize(mv, info)
 
 
-def decode_tensor(t: torch.Tensor, *, verify: bool = True, auth: AuthKey | None = None) -> Any:
-    """Decode a frame packed into a ``uint8`` tensor; tensors are views on its device."""
+def decode_tensor(
+    t: torch.Tensor,
+    *,
+    verify: bool = True,
+    auth: AuthKey | None = None,
+    require_digests: bool = True,
+) -> Any:
+    """Decode a frame packed into a ``uint8`` tensor; tensors are views on its device.
+
+    ``verify``: check the frame's digests (linear digests on its device, xxh3 on the
+    host); ``require_digests``: with ``verify``, refuse a frame without digests.
+    """
     if t.dtype != torch.uint8 or t.dim() != 1:
         raise KVPayloadError(f"a packed frame tensor is 1-D uint8, got {t.dtype} {tuple(t.shape)}")
     if t.device.type == "cpu":
-        return decode(t.contiguous().numpy(), verify=verify, auth=auth)
+        return decode(
+            t.contiguous().numpy(), verify=verify, auth=auth, require_digests=require_digests
+        )
+    t = t.contiguous()
     if auth is not None:
         authenticate_frame(t.cpu().numpy(), auth)
     n = t.numel()
     p = read_prelude(t[: min(n, PRELUDE_SIZE)].cpu().numpy().tobytes(), n)
-    # accelerator frames carry no digests; one with a trailer is checked on the host
-    head = memoryview(t[: p.total if p.digests else p.data_start].cpu().numpy().tobytes())
-    info = parse(head, n, verify_head=verify and p.digests > 0, require_checksum=False)
-    if verify and p.digests:
-        host = memoryview(t[: p.total].cpu().numpy().tobytes())
-        verify_chunks(host, info.chunks, info.chunks.runs(None))
+    on_host = verify and p.alg == CHECKSUM_XXH3  # xxh3 digests are checked on the host
+    head = t[: p.total if on_host else p.data_start].cpu().numpy().tobytes()
+    check = verify and p.alg != CHECKSUM_LINEAR
+    info = parse(memoryview(head), n, verify_head=check, require_checksum=require_digests)
+    if on_host:
+        verify_chunks(memoryview(head), info.chunks, info.chunks.runs(None), p.alg)
+    elif verify and p.alg == CHECKSUM_LINEAR:
+        verify_on_device(t, head, info.chunks, p)
     data_start = info.data_start
     views = [
         t[data_start + off : data_start + off + nb].view(dtype).view(shape)

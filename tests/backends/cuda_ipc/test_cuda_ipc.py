@@ -313,6 +313,48 @@ def test_handles_open_on_the_consumers_cache_device(ipc_ns: str) -> None:
         prod.close()
 
 
+def test_a_load_of_two_parts_checks_the_producer_once_and_is_one_move(
+    ipc_ns: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two layer groups (two parts) of one load: the producer's heartbeat segment is read
+    once, and the pages move on one side stream, 2 operations per layer, nothing per page."""
+    from vllm_omni_kv.kvcache.shared_pages import PageCopy
+
+    prod = _Producer(ipc_ns, seed=5)
+    consumer = CudaIpcRegion(
+        ipc_ns, ProducerArena(0, namespace=ipc_ns), arena.STALE_S, _Opener([prod])
+    )
+    reads: list[str] = []
+    real = arena.read_header
+    monkeypatch.setattr(arena, "read_header", lambda name: reads.append(name) or real(name))
+    try:
+        mine = [torch.zeros_like(v) for v in prod.views]
+        a = list(zip(SRC_IDS, DST_IDS, strict=True))
+        b = [(40, 30), (1, 2)]
+        parts = [
+            PageCopy(prod.geometry[:2], prod.ident, mine[:2], a, None, 0),
+            PageCopy(prod.geometry[2:], prod.ident, mine[2:], b, None, 0),
+        ]
+        with device_order.installed("cpu", RecordingStreams()) as fake:
+            assert isinstance(fake, RecordingStreams)
+            moved = consumer.copy_all(prod.desc, parts, wait=True)
+        assert reads == [prod.desc["name"]]
+        (side,) = [x for x in fake.side_streams() if x.ops]
+        assert len(fake.queued(side, "index_copy_")) == LAYERS
+        assert len(fake.queued(side, "index_select")) == LAYERS
+        assert len(fake.host_waits) == 1
+        page = HEADS * BS * 2 * DIM * 2
+        assert moved == (2 * len(a) + len(b)) * page
+        ref = _reference(5, "cpu")
+        for i in range(LAYERS):
+            for s, d in a if i < 2 else b:
+                assert torch.equal(mine[i][d], ref[i][s])
+    finally:
+        consumer.close()
+        consumer.producer.close()
+        prod.close()
+
+
 def test_a_dead_producers_handle_is_closed_once_its_copies_ran(ipc_ns: str) -> None:
     """A producer that died keeps no mapping in a live consumer (its GPU memory would stay
     allocated): the next copy from another producer closes it, except while a copy out
@@ -343,6 +385,41 @@ def test_a_dead_producers_handle_is_closed_once_its_copies_ran(ipc_ns: str) -> N
         consumer.close()
         consumer.producer.close()
         b.close()
+
+
+def test_sleep_refuses_the_old_generation_and_releases_the_handles(ipc_ns: str) -> None:
+    """vLLM's sleep mode: the producer's owner segment names generation 1 while asleep,
+    2 once awake; a payload of generation 0 is refused before any page moves, one of
+    generation 2 is copied. A consumer's sleep closes the handles it opened."""
+    prod = _Producer(ipc_ns, seed=3)
+    consumer = CudaIpcRegion(
+        ipc_ns, ProducerArena(0, namespace=ipc_ns), arena.STALE_S, _Opener([prod])
+    )
+    try:
+        mine = [torch.zeros_like(v) for v in prod.views]
+        _copy(consumer, prod, mine)  # generation 0 (a descriptor without one names 0)
+        for m in mine:
+            m.zero_()
+        prod.region.sleep()
+        with pytest.raises(KVTransferError, match="generation 0.*asleep"):
+            _copy(consumer, prod, mine)
+        prod.region.wake()
+        with pytest.raises(KVTransferError, match="generation 0.*generation 2"):
+            _copy(consumer, prod, mine)
+        assert not any(m.any() for m in mine)  # nothing moved
+        prod.desc["generation"] = 2
+        _copy(consumer, prod, mine)
+        ref = _reference(3, "cpu")
+        for i in range(LAYERS):
+            for s, d in zip(SRC_IDS, DST_IDS, strict=True):
+                assert torch.equal(mine[i][d], ref[i][s])
+        assert consumer.mapped_producers() == {prod.arena.instance}
+        consumer.sleep()
+        assert consumer.mapped_producers() == set()
+    finally:
+        consumer.close()
+        consumer.producer.close()
+        prod.close()
 
 
 two_gpus_with_peer_access = pytest.mark.skipif(

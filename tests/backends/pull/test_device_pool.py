@@ -18,11 +18,13 @@ import pytest
 import torch
 
 from vllm_omni_kv.backends.pool import MemoryPool
-from vllm_omni_kv.backends.pull.pull_stream import Puller
+from vllm_omni_kv.backends.pull.pull_stream import Lease, Puller, RawPullStream
 from vllm_omni_kv.backends.pull.staging import stage_in_pool
+from vllm_omni_kv.errors import KVPayloadError
 from vllm_omni_kv.kvcache import device_order
 from vllm_omni_kv.testing.fake_streams import RecordingStreams
 from vllm_omni_kv.wire import codec
+from vllm_omni_kv.wire.prelude import CHECKSUM_LINEAR
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -49,8 +51,10 @@ def test_a_put_into_a_device_pool_returns_once_its_copies_ran(kind: str) -> None
         buf, size, _fast, _dtype, _shape = stage_in_pool(pool, obj)
     try:
         assert fake.waited_for(queued), "the block was exposed before its bytes landed"
-        if kind == "frame":
-            got = codec.decode(buf.tensor[:size].numpy())
+        if kind == "frame":  # packed by the device path: linear digests, checked here
+            raw = buf.tensor[:size].numpy()
+            assert codec.read_prelude(raw, size).alg == CHECKSUM_LINEAR
+            got = codec.decode(raw)
             assert torch.equal(got["k"], data["k"]) and got["name"] == "r"
         elif kind == "tensor":
             assert torch.equal(buf.tensor[:size].view(torch.int32).view(64, 1024), data["k"])
@@ -108,6 +112,40 @@ def test_pull_threads_bind_the_device_before_each_read() -> None:
         assert bound == torch.device("cpu"), f"{thread} read with no device bound"
 
 
+def _pull_frame(src: torch.Tensor, require_digests: bool) -> Any:
+    """What a device-pool receiver makes of the frame ``src`` (pulled whole, then decoded)."""
+    pool = MemoryPool(1 << 20, "cpu")
+    with cf.ThreadPoolExecutor(1, thread_name_prefix="pytest-pull") as ex:
+        puller = Puller(_Engine(RecordingStreams()), ex, 10.0, require_digests=require_digests)
+        local = pool.alloc(src.numel())
+        lease = Lease(lambda ok: True)
+        size = src.numel()
+        with RawPullStream(
+            puller, "s", src.data_ptr(), size, local, lease, what="k", frame=True
+        ) as s:
+            for _ in s.load(None, time.monotonic() + 10):
+                pass
+            return s.obj
+
+
+def test_a_device_pool_receiver_checks_digests_and_requires_them() -> None:
+    """A frame pulled whole into a device pool is decoded with its digests checked: a flipped
+    byte is refused, and a frame without digests too unless ``require_digests`` is off."""
+    data = _payload("cpu", seed=5)
+    frame = codec.encode(data, 4096)
+    linear = frame.to_device_tensor("cpu", on_device=True)
+    assert torch.equal(_pull_frame(linear, True)["k"], data["k"])
+    bad = linear.clone()
+    bad[frame.data_start + 5000] ^= 1
+    with pytest.raises(KVPayloadError, match=r"chunk 1 \(.*checksum mismatch"):
+        _pull_frame(bad, True)
+    plain = torch.zeros(frame.plain_nbytes, dtype=torch.uint8)
+    frame.pack_into(plain.numpy(), checksum=False)
+    with pytest.raises(KVPayloadError, match="no checksum.*require_digests"):
+        _pull_frame(plain, True)
+    assert torch.equal(_pull_frame(plain, False)["k"], data["k"])
+
+
 # -- on a CUDA device ------------------------------------------------------------------------
 def _cuda_context_current() -> bool:
     """Whether the calling thread has a current CUDA context (driver API)."""
@@ -133,8 +171,9 @@ def test_cuda_pool_block_is_final_when_put_returns(kind: str) -> None:
         reader = torch.cuda.Stream()
         with torch.cuda.stream(reader):
             host = buf.tensor[:size].to("cpu")
-        if kind == "frame":
+        if kind == "frame":  # its linear digests checked on the host, then on the device
             got = codec.decode_tensor(host)["k"]
+            assert torch.equal(codec.decode_tensor(buf.tensor[:size].clone())["k"].cpu(), want)
         else:
             got = host.view(torch.int32).view(want.shape)
         assert torch.equal(got.cpu(), want), "the block was exposed before its copy ran"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import subprocess
@@ -17,7 +18,11 @@ import torch
 
 from vllm_omni_kv.backends.pool import BufferAllocator, ManagedBuffer, MemoryPool
 from vllm_omni_kv.backends.pull.side_channel import SideChannelClient, SideChannelServer
-from vllm_omni_kv.errors import ConfigError, KVTransferError, KVTransferTimeout
+from vllm_omni_kv.errors import ConfigError, KVPayloadError, KVTransferError, KVTransferTimeout
+from vllm_omni_kv.kvcache import device_order
+from vllm_omni_kv.testing.fake_streams import RecordingStreams
+from vllm_omni_kv.wire import codec
+from vllm_omni_kv.wire.prelude import CHECKSUM_LINEAR
 
 from ..conformance import SenderProcess, te_config, wait_until
 
@@ -181,6 +186,52 @@ def test_metadata_cases(sender: Any, receivers: list[Any], case: str) -> None:
     with got[0] as buf:
         assert torch.equal(buf.to_tensor(), t)
     assert wait_until(lambda: sender.pool.allocator.used == 0, 2), "block not freed after its pull"
+
+
+@pytest.mark.mooncake
+def test_receivers_refuse_frames_without_digests_whatever_the_sender_says(
+    receivers: list[Any],
+) -> None:
+    """A sender with ``frame_checksum: false`` packs frames without digests: a receiver
+    refuses them (its ``require_digests`` defaults to true) and frees its block; one that
+    sets ``require_digests: false`` takes them."""
+    plain = _conn("sender", max_pulls=0, frame_checksum=False)
+    lax = _conn("receiver", require_digests=False)
+    try:
+        obj = {"t": torch.arange(50_000, dtype=torch.int32), "name": "x"}
+        _ok, _size, meta = plain.put("0", "1", "obj", obj)
+        with pytest.raises(KVPayloadError, match="no checksum.*require_digests"):
+            receivers[0].open_stream("0", "1", "obj", meta)
+        assert receivers[0].pool.allocator.used == 0
+        got = lax.get("0", "1", "obj", meta)
+        assert got is not None and torch.equal(got[0]["t"], obj["t"]) and got[0]["name"] == "x"
+    finally:
+        lax.close()
+        plain.close()
+
+
+@pytest.mark.mooncake
+def test_frames_packed_on_a_device_are_verified_by_host_pool_receivers(
+    sender: Any, receivers: list[Any]
+) -> None:
+    """A put through the device path (its stream operations recorded on host tensors) packs
+    linear digests; a host-pool receiver checks them: the intact frame loads, one flipped
+    byte in the sender's block fails the load."""
+    obj = {"t": torch.arange(200_000, dtype=torch.int32), "name": "d"}
+    for flip in (False, True):
+        with device_order.installed("cpu", RecordingStreams()):
+            _ok, size, meta = sender.put("0", "1", "obj", obj)
+        block = (ctypes.c_char * size).from_address(meta["src_addr"])
+        assert codec.read_prelude(bytes(block[:32]), size).alg == CHECKSUM_LINEAR
+        if not flip:
+            got = receivers[0].get("0", "1", "obj", meta)
+            assert got is not None and torch.equal(got[0]["t"], obj["t"])
+            continue
+        block[size // 2] = bytes([block[size // 2][0] ^ 0x40])
+        with receivers[0].open_stream("0", "1", "obj", meta) as stream:
+            with pytest.raises(KVPayloadError, match="chunk .* checksum mismatch"):
+                for _ in stream.load(None, time.monotonic() + 20):
+                    pass
 
 
 @pytest.mark.mooncake

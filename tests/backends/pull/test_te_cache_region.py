@@ -121,6 +121,18 @@ def producer_main(conn: Connection, backend: str, cfg: dict[str, Any]) -> None:
             elif op == "scribble":  # rewrite one page of layer 0 after it was described
                 page_view(caches[0], IDENT)[msg["block"]].add_(1.0)
                 conn.send({"ok": True})
+            elif op == "refill":  # the seeded cache again (after a scribble)
+                buf.copy_(_fill(SEED))
+                conn.send({"ok": True})
+            elif op == "sleep_wake":  # vLLM's sleep (the cache overwritten), wake, refill
+                region.sleep()
+                buf.copy_(_fill(SEED + 1))
+                region.wake()
+                buf.copy_(_fill(SEED))  # what the engine computes again
+                got = region.export(caches)
+                assert got is not None
+                desc = got[0]
+                conn.send({"generation": desc["generation"]})
             elif op == "exit":
                 break
         except Exception as e:
@@ -339,3 +351,50 @@ def test_doctor_selftest_pulls_registered_pages(engine: str) -> None:
     module, _, fn = BACKENDS[f"{engine} (register_cache)"][0].partition(":")
     result = getattr(importlib.import_module(module), fn)()
     assert result["ok"], result
+
+
+def test_sleep_and_wake_register_the_cache_again(producer: Producer) -> None:
+    """vLLM's sleep mode: the producer unregisters its cache, voids its payloads and
+    registers the cache again as generation 2. A pull under a lease taken before fails;
+    a consumer that had read generation 0 reads generation 2 exactly (NIXL: it loads the
+    producer's new registration) and refuses a payload naming generation 0."""
+    c = _consumer(producer)
+    try:
+        producer.call(op="refill")
+        _buf, caches = _local_cache(c, True)
+        dst = list(range(len(SRC)))
+        key = _key()
+        producer.call(op="publish", key=key, blocks=SRC)
+        with c.open_stream(FROM, TO, key) as stream:
+            desc0 = shared_fields(stream.obj)[1]["region"]
+            assert _copy(c, stream, caches, dst) == LAYERS * len(SRC) * PAGE
+        old = _key()
+        producer.call(op="publish", key=old, blocks=SRC)  # never read: voided by the sleep
+        leased = _key()
+        producer.call(op="publish", key=leased, blocks=SRC)
+        stream = c.open_stream(FROM, TO, leased)  # a lease taken before the sleep ...
+        assert producer.call(op="sleep_wake")["generation"] == 2
+        with stream, pytest.raises(KVTransferError, match="took back"):
+            _copy(c, stream, caches, dst)  # ... does not cover a pull after it
+        for got in caches:
+            got.zero_()
+        new = _key()
+        producer.call(op="publish", key=new, blocks=SRC)
+        with c.open_stream(FROM, TO, new) as stream:
+            assert _copy(c, stream, caches, dst) == LAYERS * len(SRC) * PAGE
+        want = _views(_fill(SEED))
+        for w, got in zip(want, caches, strict=True):
+            wp, gp = page_view(w, IDENT), page_view(got, IDENT)
+            for s, d in zip(SRC, dst, strict=True):
+                assert torch.equal(gp[d].view(torch.int32), wp[s].view(torch.int32))
+        assert c.open_stream(FROM, TO, old) is None
+        stale = _key()  # a payload naming generation 0 after all
+        producer.call(op="publish", key=stale, blocks=SRC, region=desc0)
+        before = [x.clone() for x in caches]
+        with c.open_stream(FROM, TO, stale) as stream:
+            with pytest.raises(KVTransferError, match="generation 0"):
+                _copy(c, stream, caches, dst)
+        bits = [(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(before, caches)]
+        assert all(torch.equal(a, b) for a, b in bits)  # nothing moved (as bits: NaNs too)
+    finally:
+        c.close()

@@ -147,7 +147,7 @@ def test_allocation_context_moves_only_the_kv_cache(ns: str, procs: list[Any]) -
         assert got is not None
         desc, base, nbytes = got
         assert (base, nbytes) == (kv.data_ptr(), NBYTES)
-        assert desc == {"kind": "shm", "name": name, "owner": pa.instance}
+        assert desc == {"kind": "shm", "name": name, "owner": pa.instance, "generation": 0}
         assert region.export([ones[:per].view(torch.bfloat16)]) is None
         # a consumer process maps the same bytes, and sees them change
         proc, conn = _start(procs, _consumer, ns, desc)

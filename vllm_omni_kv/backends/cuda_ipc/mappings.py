@@ -10,8 +10,8 @@ no context on the producer's GPU and needs no index of it (two servers on disjoi
 project's CI: ``tests/backends/cuda_ipc`` has the GPU tests (two GPUs for the disjoint
 case).
 
-A mapping keeps the producer's allocation alive: a producer that died (its heartbeat
-stopped, :mod:`vllm_omni_kv.backends.shm.liveness`) would hold its GPU memory until the
+A mapping keeps the producer's allocation alive: a producer that died (by the rules of
+:mod:`vllm_omni_kv.backends.shm.liveness`) would hold its GPU memory until the
 consumer exits, and a restarted one could run out. :meth:`IpcMappings.sweep` drops the
 mappings of dead producers, except one whose copies may still run: a mapping counts
 its users and remembers an event recorded after its last copy, and is dropped only

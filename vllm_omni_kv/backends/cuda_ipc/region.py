@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_omni_kv.backends.cache_region import CacheRegion
+from vllm_omni_kv.backends.cache_region import CacheRegion, check_generation
 from vllm_omni_kv.backends.cuda_ipc.mappings import IpcMappings, Mapping, Opener, open_handle
 from vllm_omni_kv.backends.shm import arena
 from vllm_omni_kv.backends.shm.cache_region import HoldFiles
@@ -47,13 +47,15 @@ from vllm_omni_kv.backends.shm.liveness import (
     W_PIDNS,
     now_ms,
     owner_alive,
-    pid_namespace,
+    owner_ident,
 )
 from vllm_omni_kv.backends.shm.producer import ProducerArena
 from vllm_omni_kv.errors import ConfigError, KVPayloadError, KVTransferError
-from vllm_omni_kv.kvcache.cache_layout import KVLayoutId, page_view
+from vllm_omni_kv.kvcache.cache_layout import page_view
 from vllm_omni_kv.kvcache.device_order import DeviceEvent, mark, streams_of
-from vllm_omni_kv.kvcache.shared_pages import attach_layers, copy_pages, layer_geometry
+from vllm_omni_kv.kvcache.move_plan import MovePlan, Part
+from vllm_omni_kv.kvcache.movers import move
+from vllm_omni_kv.kvcache.shared_pages import PageCopy, attach_layers, layer_geometry
 from vllm_omni_kv.logger import init_logger
 
 logger = init_logger(__name__)
@@ -131,7 +133,7 @@ class CudaIpcRegion(HoldFiles, CacheRegion):
             kind = arena.CACHE_IDS[1]  # "ipc": an exported cache, not a payload segment
             name = f"{arena.SEG_PREFIX}{os.getpid()}_{self.tag}_{kind}{uuid.uuid4().hex[:14]}"
             head = np.zeros(arena.SLOT_WORDS, dtype="<u8")
-            head[[W_OWNER, W_BEAT, W_PIDNS]] = (self.producer.instance, now_ms(), pid_namespace())
+            head[[W_OWNER, W_BEAT, W_PIDNS]] = (self.producer.instance, now_ms(), owner_ident())
             fd = arena._create_file(name, arena.DATA_OFFSET, head.tobytes())
             try:
                 mm = mmap.mmap(fd, arena.DATA_OFFSET, flags=mmap.MAP_SHARED)
@@ -164,6 +166,7 @@ class CudaIpcRegion(HoldFiles, CacheRegion):
             "uuid": device_uuid(caches[0].device.index or 0),
             "owner": self.producer.instance,
             "name": self.owner_segment(),
+            "generation": self.generation,
         }
         desc.update(zip(_SHARE_FIELDS, shared[1:], strict=True))
         logger.info(
@@ -191,10 +194,11 @@ class CudaIpcRegion(HoldFiles, CacheRegion):
             raise KVPayloadError(f"CUDA IPC region names no producer segment: {name!r}")
         self._mappings.sweep()  # other producers that died meanwhile
         try:
-            self._check_alive(name, owner)
+            words = self._check_alive(name, owner)
         except KVTransferError:
             self._mappings.drop_owners({owner})
             raise
+        check_generation(descriptor, words[1])  # the producer slept since: refused
         return self._mappings.use(key, owner, name, device, fields)
 
     def attach(self, descriptor: Any) -> torch.Tensor:
@@ -205,29 +209,27 @@ class CudaIpcRegion(HoldFiles, CacheRegion):
         self._mappings.done(mapping, None if streams is None else mark(streams, device))
         return mapping.view
 
-    def copy_into(
-        self,
-        descriptor: Any,
-        geometry: Any,
-        ident: KVLayoutId,
-        caches: Sequence[torch.Tensor],
-        pairs: Sequence[tuple[int, int]],
-        sums: list[list[int]] | None,
-        first: int,
-    ) -> int:
-        """Copy pages out of the producer's allocation, opened on the device of
-        ``caches`` (this consumer's), into ``caches``; the mapping stays in use until an
-        event after the copies completes."""
-        device = caches[0].device
+    def copy_all(self, descriptor: Any, copies: Sequence[PageCopy], wait: bool = False) -> int:
+        """Copy pages out of the producer's allocation, opened on the device of the local
+        caches (this consumer's), into them: the producer's liveness checked once, one
+        plan, one device move (``wait``: waited for); the mapping stays in use until an
+        event after it."""
+        if not copies:
+            return 0
+        device = copies[0].caches[0].device
         mapping = self._use(descriptor, device)
         last: DeviceEvent | None = None
         try:
-            vkey = (repr(geometry), ident, caches[0].dtype)
-            src = mapping.pages.get(vkey)
-            if src is None:
-                layers = attach_layers(mapping.view, geometry, ident, caches[0].dtype)
-                src = mapping.pages[vkey] = [page_view(v, ident) for v in layers]
-            moved = copy_pages(src, [page_view(c, ident) for c in caches], pairs, sums, first)
+            parts: list[Part] = []
+            for c in copies:
+                vkey = (repr(c.geometry), c.ident, c.caches[0].dtype)
+                src = mapping.pages.get(vkey)
+                if src is None:
+                    layers = attach_layers(mapping.view, c.geometry, c.ident, c.caches[0].dtype)
+                    src = mapping.pages[vkey] = [page_view(v, c.ident) for v in layers]
+                dst = [page_view(x, c.ident) for x in c.caches]
+                parts.append((src, dst, c.pairs, c.sums, c.first))
+            moved = move(MovePlan.stacked(parts), wait)
             streams = streams_of(device)
             last = None if streams is None else mark(streams, device)
             return moved
@@ -251,7 +253,8 @@ class CudaIpcRegion(HoldFiles, CacheRegion):
             return False
         return True
 
-    def _check_alive(self, name: str, owner: int) -> None:
+    def _check_alive(self, name: str, owner: int) -> list[int]:
+        """The header of the producer's owner segment; ``KVTransferError`` unless alive."""
         try:
             words = arena.read_header(name)
         except FileNotFoundError:
@@ -260,9 +263,26 @@ class CudaIpcRegion(HoldFiles, CacheRegion):
             raise KVTransferError(f"the producer of CUDA IPC cache {name} is gone")
         if not owner_alive(words, arena._owner_pid(name), self.stale_s):
             raise KVTransferError(
-                f"the producer of CUDA IPC cache {name} is not alive (no heartbeat for "
-                f"{self.stale_s:g}s)"
+                f"the producer of CUDA IPC cache {name} is not alive (its process exited, or "
+                f"in another PID namespace its heartbeat is over {self.stale_s:g}s old)"
             )
+        return words
+
+    # -- sleep mode ----------------------------------------------------------------------
+    def _withdraw(self) -> None:
+        self._publish_generation()
+        self.void_holds()
+        # consumer: release the producers' IPC handles (its copies completed: vLLM's sleep
+        # waits for the loads, and each load synchronizes before it releases its hold)
+        self._mappings.clear()
+
+    def _restore(self) -> None:
+        self._publish_generation()
+
+    def _publish_generation(self) -> None:
+        """Producer: the owner segment's header names the generation consumers check."""
+        if self._owner_seg is not None:
+            self._owner_seg.set_state(self._owner_seg.state()[0], self.generation)
 
     def close(self) -> None:
         self.close_holds()

@@ -12,7 +12,7 @@ channel (op ``nixl_md``; see :mod:`.engine`) before its first read.
 Config keys: those of the pull connector (``role``, ``host``, ``zmq_port``,
 ``memory_pool_size``, ``memory_pool_device``, ``max_pulls``, ``buffer_ttl_s``,
 ``transfer_timeout_s``, ``side_channel_timeout_s``, ``get_timeout_s``,
-``raise_on_timeout``, ``lease_slack_s``, ``frame_checksum``, ``sender_host`` /
+``raise_on_timeout``, ``lease_slack_s``, ``frame_checksum``, ``require_digests``, ``sender_host`` /
 ``sender_zmq_port``, ``auth_key_file``) plus ``nixl_backends`` (default ``["UCX"]``),
 ``nixl_num_threads`` (UCX worker threads, 0 = NIXL's default),
 ``handshake_timeout_s`` (per try, default ``side_channel_timeout_s``) and

@@ -51,13 +51,13 @@ from typing import Any, ClassVar
 
 import torch
 
-from vllm_omni_kv.backends.cache_region import AllocateHostCache, CacheRegion
+from vllm_omni_kv.backends.cache_region import AllocateHostCache, CacheRegion, check_generation
 from vllm_omni_kv.backends.keys import edge_key
 from vllm_omni_kv.backends.pull.page_pull import PagePull
 from vllm_omni_kv.backends.pull.pull import PullTransferConnector
 from vllm_omni_kv.errors import ConfigError, KVPayloadError, KVTransferError
 from vllm_omni_kv.kvcache.cache_layout import KVLayoutId, page_view
-from vllm_omni_kv.kvcache.shared_pages import attach_layers, layer_geometry
+from vllm_omni_kv.kvcache.shared_pages import PageCopy, attach_layers, layer_geometry
 from vllm_omni_kv.logger import init_logger
 
 logger = init_logger(__name__)
@@ -86,7 +86,10 @@ class TECacheRegion(CacheRegion):
         self.tensor: torch.Tensor | None = None  # flat bytes of the registered cache
         self._map: mmap.mmap | None = None
         self._registered: int | None = None  # base address of ``tensor`` while registered
-        self._addrs: list[int] = []  # everything registered here (unregistered at close)
+        #: everything registered here: address -> (bytes, device); unregistered at close
+        self._spans: dict[int, tuple[int, torch.device]] = {}
+        self._seen: dict[str, int] = {}  # consumer: the newest generation of each producer
+        self._holds: set[str] = set()  # producer: holds made and not yet known gone
         self._lock = threading.Lock()
 
     # -- producer (and consumer: its own cache is registered too) ------------------------
@@ -104,7 +107,7 @@ class TECacheRegion(CacheRegion):
         _register(self.conn, addr, nbytes, tensor.device)
         with self._lock:
             self._map, self.tensor, self._registered = mm, tensor, addr
-            self._addrs.append(addr)
+            self._spans[addr] = (nbytes, tensor.device)
         self._registered_log(nbytes, "host")
         return tensor
 
@@ -124,7 +127,7 @@ class TECacheRegion(CacheRegion):
         if caches[0].device.type == "cuda" and not self._register_device_cache(caches):
             return None
         t = self.tensor
-        if t is None or t.device != caches[0].device:
+        if t is None or t.device != caches[0].device or self._registered is None:
             return None
         base, nbytes = t.data_ptr(), int(t.numel())
         if layer_geometry(caches, base, nbytes) is None:
@@ -134,6 +137,7 @@ class TECacheRegion(CacheRegion):
             "session": self.conn.engine.session,
             "base": base,
             "size": nbytes,
+            "generation": self.generation,
         }
         return desc, base, nbytes
 
@@ -169,7 +173,7 @@ class TECacheRegion(CacheRegion):
         view.set_(storage, 0, (nbytes,), (1,))
         with self._lock:
             self.tensor, self._registered = view, base
-            self._addrs.append(base)
+            self._spans[base] = (nbytes, caches[0].device)
         if self.conn._puller.device is None:  # reads land in this device's memory
             self.conn._puller.device = caches[0].device
         if self.digests:
@@ -178,6 +182,34 @@ class TECacheRegion(CacheRegion):
         self._registered_log(nbytes, str(caches[0].device))
         return True
 
+    # -- sleep mode ----------------------------------------------------------------------
+    def _withdraw(self) -> None:
+        """Unregister the cache from the engine (kept listed, for :meth:`wake`) and revoke
+        every hold's exposure: a pull running from it fails, or its release does."""
+        with self._lock:
+            spans, self._registered = list(self._spans), None
+            holds, self._holds = list(self._holds), set()
+        for hold in holds:  # a pull under a lease taken before the sleep fails at its end
+            self.conn._exposed.revoke(hold)
+        for addr in spans:
+            self._unregister(addr)
+
+    def _restore(self) -> None:
+        """Register the cache again; ``KVTransferError`` when the engine refuses (the
+        caller sends packed payloads then)."""
+        with self._lock:
+            spans = dict(self._spans)
+        for addr, (size, device) in spans.items():
+            _register(self.conn, addr, size, device)
+        with self._lock:
+            self._registered = None if self.tensor is None else self.tensor.data_ptr()
+
+    def _unregister(self, addr: int) -> None:
+        try:
+            self.conn.engine.unregister(addr)
+        except Exception as e:
+            logger.debug("unregistering the KV cache: %s", e)
+
     def hold(self, from_stage: str, to_stage: str, key: str) -> str:
         name = self.hold_name(from_stage, to_stage, key)
         if self.conn._exposed.exposed(name):
@@ -185,13 +217,21 @@ class TECacheRegion(CacheRegion):
                 f"a payload under key {key!r} on {from_stage}->{to_stage} is still held: use "
                 "a unique key per transfer"
             )
+        with self._lock:
+            self._holds.add(name)
         return name
 
     def released(self, hold: str) -> bool:
-        return not self.conn._exposed.exposed(hold)
+        return self._gone(hold, not self.conn._exposed.exposed(hold))
 
     def take_back(self, hold: str) -> bool:
-        return self.conn._exposed.withdraw(hold)
+        return self._gone(hold, self.conn._exposed.withdraw(hold))
+
+    def _gone(self, hold: str, gone: bool) -> bool:
+        if gone:
+            with self._lock:
+                self._holds.discard(hold)
+        return gone
 
     def expire_hold(self, hold: str) -> bool:
         # a puller's lease has a deadline of its own (at most buffer_ttl_s): past it, the
@@ -268,6 +308,10 @@ class TECacheRegion(CacheRegion):
             pull.drain()  # a read abandoned on timeout may still write into our cache
             raise
 
+    def copy_all(self, descriptor: Any, copies: Sequence[PageCopy], wait: bool = False) -> int:
+        """Each part pulled in turn (:meth:`copy_into`, which returns once it is written)."""
+        return sum(self.copy_into(descriptor, *c) for c in copies)
+
     def _remote(self, descriptor: Any) -> tuple[str, int, int]:
         if not isinstance(descriptor, dict) or descriptor.get("kind") != self.kind:
             raise KVPayloadError(f"not a {self.kind} registered cache region: {descriptor!r}")
@@ -285,7 +329,22 @@ class TECacheRegion(CacheRegion):
             or size <= 0
         ):
             raise KVPayloadError(f"registered-cache payload: bad region {descriptor!r}")
+        self._check_generation(session, descriptor)
         return session, base, size
+
+    def _check_generation(self, session: str, descriptor: dict[str, Any]) -> None:
+        """Refuse a payload of an older generation than one seen from its producer (it
+        slept since); on a newer one, drop the engine's loaded view of that producer
+        (where the engine keeps one: NIXL) so the next read handshakes again."""
+        with self._lock:
+            seen = self._seen.get(session, 0)
+            got = descriptor.get("generation", 0)
+            if isinstance(got, int) and got > seen:
+                self._seen[session] = got
+        check_generation(descriptor, max(seen, got) if isinstance(got, int) else seen)
+        forget = getattr(self.conn.engine, "forget", None)
+        if got != seen and forget is not None:
+            forget(session)  # the producer registered its cache again
 
     def _registered_here(self, caches: Sequence[torch.Tensor]) -> bool:
         """Whether ``caches`` lie in this process's registered cache (reads land there)."""
@@ -298,12 +357,11 @@ class TECacheRegion(CacheRegion):
         """Unregister the cache (vLLM's views keep its memory alive); holds are taken back
         by the connector's shared sends, exposures freed by the connector."""
         with self._lock:
-            addrs, self._addrs, self._registered = self._addrs, [], None
+            addrs, self._spans, self._registered = list(self._spans), {}, None
+        if self.asleep:  # unregistered already
+            addrs = []
         for addr in addrs:
-            try:
-                self.conn.engine.unregister(addr)
-            except Exception as e:
-                logger.debug("unregistering the KV cache: %s", e)
+            self._unregister(addr)
 
 
 def _flag(value: Any, name: str) -> bool:

@@ -224,6 +224,16 @@ class ExposureTable:
                 self._free_locked(e)
             return True
 
+    def revoke(self, key: str) -> int:
+        """Free every block of ``key`` now, even under a live lease (the memory its pulls
+        read is going away: vLLM's sleep); that lease's release then fails. Returns how
+        many were freed."""
+        with self._lock:
+            hits = [e for e in self._by_token.values() if e.key == key]
+            for e in hits:
+                self._free_locked(e)
+            return len(hits)
+
     # -- owner operations ------------------------------------------------------------
     def retain(self, key: str, pulls: int) -> bool:
         with self._lock:

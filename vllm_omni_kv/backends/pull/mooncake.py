@@ -17,8 +17,9 @@ put before the block is freed; 0 = until cleanup/TTL), ``buffer_ttl_s``,
 ``transfer_timeout_s``, ``side_channel_timeout_s``, ``get_timeout_s`` (how long
 ``get`` keeps asking for a key that is not there yet), ``raise_on_timeout``
 (raise ``KVTransferTimeout`` instead of logging and returning None),
-``lease_slack_s``, ``frame_checksum`` (xxh3 over packed objects, default True;
-RDMA/TCP already protect the bytes in flight), ``tcp_progress_timeout_s``
+``lease_slack_s``, ``frame_checksum`` (chunk digests in packed objects, default True),
+``require_digests`` (a receiver refuses frames without digests, default True),
+``tcp_progress_timeout_s``
 (default 3: Mooncake's TCP transport drops a connection that moves no byte for
 this long, and the pull is retried on a fresh one; it sets
 ``MC_TCP_PROGRESS_TIMEOUT_SEC`` unless that is already in the environment),

@@ -2,10 +2,9 @@
 
 Data path (sender -> receiver):
 
-1. ``put`` places the payload in the sender's registered pool: a
-   ``ManagedBuffer`` of that pool is exposed as is (zero copy), a tensor or
-   bytes are copied once, any other object is laid out with
-   :func:`codec.encode` and packed straight into the pool (one copy).
+1. ``put`` places the payload in the sender's registered pool: a ``ManagedBuffer`` of that
+   pool is exposed as is (zero copy), a tensor or bytes are copied once, any other object
+   is laid out with :func:`codec.encode` and packed straight into the pool (one copy).
 2. ``open_stream``: the receiver learns address, size and kind over the TCP
    side channel (``acquire`` grants a lease so the TTL sweeper cannot free the
    block mid-transfer), allocates a block of its own pool sized for the whole
@@ -71,7 +70,7 @@ class PullTransferConnector(OmniConnectorBase):
     CONFIG_KEYS: ClassVar[frozenset[str]] = PORT_KEYS | frozenset(
         "role host memory_pool_size memory_pool_device max_pulls buffer_ttl_s transfer_timeout_s "
         "side_channel_timeout_s get_timeout_s raise_on_timeout frame_checksum lease_slack_s "
-        "sender_host sender_zmq_port auth_key_file side_channel_max_rate".split()
+        "sender_host sender_zmq_port auth_key_file side_channel_max_rate require_digests".split()
     )
 
     def __init__(self, config: dict[str, Any] | None = None) -> None:
@@ -155,6 +154,7 @@ class PullTransferConnector(OmniConnectorBase):
         self._client = SenderRequests(self.side_channel_timeout_s, self.engine_id, auth=self.auth)
         self._executor = cf.ThreadPoolExecutor(4, thread_name_prefix="omnikv-pull")
         self._puller = Puller(self.engine, self._executor, self.transfer_timeout_s)
+        self._puller.require_digests = bool(self.config.get("require_digests", True))
         if not self._host_pool:  # pull threads read into device memory: bind its device
             self._puller.device = self.pool.tensor.device
 

@@ -3,7 +3,9 @@
 :class:`PullFrameStream` pulls a frame's prelude, header and digest trailer when
 it opens, then ``load(spans)`` pulls only the chunk-aligned byte ranges covering
 ``spans`` (one engine read per merged range) and verifies each chunk before it is
-handed out. ``moved`` counts the bytes pulled. The local block is sized for the
+handed out (xxh3 digests of frames packed on the host, linear digests of frames packed
+on a device; a frame without digests is refused unless the receiver sets
+``require_digests: false``). ``moved`` counts the bytes pulled. The local block is sized for the
 whole frame and freed once the stream is closed and no tensor view of ``obj``
 (and no engine read still running into it) remains. :class:`RawPullStream` pulls
 a raw buffer (a tensor or bytes put on the fast path) in one read.
@@ -94,10 +96,21 @@ def _engine_read_many(
 
 class Puller:
     """Engine reads on a thread pool, each bounded by a timeout and a cancel event; a
-    stalled read is abandoned (it keeps its destination alive until it ends)."""
+    stalled read is abandoned (it keeps its destination alive until it ends).
 
-    def __init__(self, engine: EngineAdapter, executor: cf.ThreadPoolExecutor, timeout_s: float):
+    ``require_digests`` (the receiver's setting): streams refuse frames without chunk
+    digests, whatever the sender's ``frame_checksum``.
+    """
+
+    def __init__(
+        self,
+        engine: EngineAdapter,
+        executor: cf.ThreadPoolExecutor,
+        timeout_s: float,
+        require_digests: bool = True,
+    ):
         self.engine, self.executor, self.timeout_s = engine, executor, timeout_s
+        self.require_digests = require_digests
         #: the device the reads touch (a device pool, a registered CUDA cache); None: the
         #: CUDA device of the thread asking for a read, where this process uses CUDA
         self.device: torch.device | None = None
@@ -294,7 +307,7 @@ class PullFrameStream(ChunkedStream):
             if p.total > have:
                 self._pull(max(have, p.trailer_start), p.total, deadline, cancel)
             self._whole = have >= p.total
-            info = codec.parse(mv, size, verify_head=p.alg == codec.CHECKSUM_XXH3)
+            info = codec.parse(mv, size, verify_head=True, require_checksum=puller.require_digests)
             self._start(mv, info, verify=True, deadline=deadline, cancel=cancel)
         except BaseException:
             self._lease.end(False)
@@ -356,7 +369,8 @@ class PullFrameStream(ChunkedStream):
 
 
 class RawPullStream(PayloadStream):
-    """A raw buffer (or a frame in a device pool) pulled in one read by ``load``.
+    """A raw buffer (or a frame in a device pool) pulled in one read by ``load``; a frame
+    is verified on the pool's device (:func:`~vllm_omni_kv.wire.unpack.decode_tensor`).
 
     ``obj`` is the pulled :class:`ManagedBuffer` (the caller releases it), or for a
     frame in a device pool the decoded object; ``frame_address`` is None.
@@ -413,7 +427,8 @@ class RawPullStream(PayloadStream):
             )
         if self._frame:  # a device pool: decode a private copy (no ranged reads on devices)
             try:
-                self.obj = codec.decode_tensor(self._local.tensor[: self.size].clone())
+                frame = self._local.tensor[: self.size].clone()
+                self.obj = codec.decode_tensor(frame, require_digests=self._puller.require_digests)
             finally:
                 self._local.release()
         self._loaded = True

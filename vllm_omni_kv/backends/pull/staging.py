@@ -1,7 +1,7 @@
 """Placing a put's data in the sender's registered pool (the only copy on the sender).
 
-A frame put into a device pool is packed on the device (its bytes queued on the
-putting thread's stream) and copied into the pool block there; the block is exposed
+A frame put into a device pool is packed on the device straight into the pool block
+(its bytes queued on the putting thread's stream, each byte copied once); the block is exposed
 (``put`` returns its address) only once an event recorded after that copy completed,
 so a consumer never pulls a block whose bytes are still queued.
 """
@@ -65,9 +65,8 @@ def stage_in_pool(
         if host:
             size = frame.pack_into(buf.tensor.numpy(), checksum=checksum)
         else:
-            packed = frame.to_device_tensor(pool.device)
-            size = packed.numel()
-            buf.tensor[:size].copy_(packed)
+            # packed straight into the block: the data is copied once
+            size = frame.to_device_tensor(out=buf.tensor, on_device=True).numel()
             _settle(pool)
     except BaseException:
         buf.release()

@@ -16,9 +16,9 @@ consumer caches its mappings of them. Files in ``/dev/shm``:
 * ``omnikv_idx_<ns>_<digest>`` - the index entry of one key: ``b"R"`` (complete) or
   ``b"S"`` (streamed: possibly still being written) + msgpack ``{seg, gen, size,
   pid, pooled, owner}`` pointing into a segment, or ``b"O"`` + the producer's pid and
-  PID-namespace inode + an inline frame for small payloads (swept once that pid is gone, when
-  it is in our PID namespace). Written under a temporary name then renamed, so readers never see
-  half of one; claimed by renaming (one reader wins).
+  identity (``ident``, see liveness) + an inline frame for small payloads (swept once that
+  process is gone, when it is in our PID namespace). Written under a temporary name then
+  renamed, so readers never see half of one; claimed by renaming (one reader wins).
 * ``omnikv_hold_<ns>_<digest>`` - the hold on the blocks of one shared-pages payload
   (:mod:`vllm_omni_kv.backends.shm.cache_region`): it names the producer's cache
   segment (``omnikv_seg_<pid>_<ns>_kv<id>``, the KV cache itself at offset 4096), a
@@ -31,30 +31,24 @@ up before the producer finished writes the generation into ``abandoned``
 instead, and the producer frees the segment: each field has a single writer at
 any time, so no atomic operations are needed.
 
-Liveness (:mod:`vllm_omni_kv.backends.shm.liveness`) works across PID namespaces
-(containers sharing ``/dev/shm``): ``owner`` is a random per-process instance id,
-``pidns`` the inode of the owner's PID namespace, and a producer thread
-(:mod:`vllm_omni_kv.backends.shm.producer`) rewrites ``beat`` (``CLOCK_BOOTTIME``
-milliseconds) in every segment it owns each ``HEARTBEAT_S``. An owner is dead once
-its beat is older than the staleness threshold (``heartbeat_stale_s``, default
-``STALE_S``); an owner in our own PID namespace is also dead as soon as its pid is
-gone. A file without a beat (written by an older version) is judged by its pid alone.
-A reader that claims a segment keeps ``reader`` (``generation & 0xffff`` in the top 16
-bits, its own beat below) fresh while it holds it; the producer frees (or, for a one-off
-segment, unlinks) a claimed segment whose reader lease went stale, so a reader killed
-after claiming returns the segment within the threshold.
+Liveness (:mod:`vllm_omni_kv.backends.shm.liveness`): ``owner`` is a random per-process
+instance id, ``pidns`` the owner's identity (PID namespace and start time), and a producer
+thread (:mod:`vllm_omni_kv.backends.shm.producer`) rewrites ``beat`` in every segment it
+owns each ``HEARTBEAT_S``. An owner in our PID namespace is alive while its pid runs with
+that start time; one in another namespace while its beat is younger than
+``heartbeat_stale_s``. A reader that claims a segment keeps its lease in ``reader`` fresh
+while it holds it; the producer frees (or, for a one-off segment, unlinks) a claimed
+segment whose reader lease went stale, so a reader killed after claiming returns it.
 Files of dead processes are swept by :func:`sweep_orphans`.
 """
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import hashlib
 import mmap
 import os
 import stat
-import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -62,8 +56,6 @@ from dataclasses import dataclass
 import msgpack
 import numpy as np
 
-from vllm_omni_kv.backends.host_pin import HostPin, cuda_in_use
-from vllm_omni_kv.backends.host_pin import register as register_host
 from vllm_omni_kv.backends.shm.entry_files import inline_frame, inline_owner, read_owned_file
 from vllm_omni_kv.backends.shm.liveness import (
     HEARTBEAT_S,
@@ -72,9 +64,10 @@ from vllm_omni_kv.backends.shm.liveness import (
     W_OWNER,
     W_PIDNS,
     W_READER,
+    in_our_namespace,
+    local_verdict,
     owner_alive,
     pid_alive,
-    pid_namespace,
 )
 from vllm_omni_kv.errors import KVPayloadError, KVTransferError
 from vllm_omni_kv.logger import init_logger
@@ -278,24 +271,6 @@ class Segment:
         close_map(self.mm)
 
 
-_pins: dict[int, HostPin] = {}
-_pins_lock = threading.Lock()
-
-
-def pin_map(mm: mmap.mmap) -> None:
-    """Register a mapping with CUDA when this process uses CUDA, so copies between it and a
-    GPU run by DMA, asynchronously (undone by :func:`close_map`)."""
-    if not cuda_in_use() or len(mm) == 0:
-        return
-    ref = ctypes.c_char.from_buffer(mm)
-    addr = ctypes.addressof(ref)
-    del ref  # the buffer export would keep the map from closing
-    pin = register_host(addr, len(mm))
-    if pin is not None:
-        with _pins_lock:
-            _pins[id(mm)] = pin
-
-
 def exported(mm: mmap.mmap) -> memoryview:
     """What to hand ``torch.frombuffer`` for a tensor over ``mm``: torch keeps the object
     it is given alive but not a buffer export of it, so a tensor made from the mapping
@@ -306,10 +281,7 @@ def exported(mm: mmap.mmap) -> memoryview:
 
 
 def close_map(mm: mmap.mmap) -> None:
-    with _pins_lock:
-        pin = _pins.pop(id(mm), None)
-    if pin is not None:
-        pin.release()
+    """Unmap ``mm`` (a :class:`~.pinned_map.PinnedMap` unregisters itself first)."""
     try:
         mm.close()
     except BufferError:  # views still alive somewhere: the GC unmaps it later
@@ -354,7 +326,7 @@ def _owner_pid(name: str) -> int | None:
             if entry[:1] in (b"R", b"S"):
                 return int(msgpack.unpackb(entry[1:])["pid"])
             owner = inline_owner(entry)
-            if owner is not None and owner[1] == pid_namespace():
+            if owner is not None and in_our_namespace(owner[1]):
                 return owner[0]
     except (ValueError, KeyError, OSError, TypeError, msgpack.UnpackException):
         return None
@@ -390,9 +362,8 @@ def _orphaned(name: str, st: os.stat_result, stale_s: float) -> bool:
             return False  # not ours to judge (another user's, a link, a FIFO)
         if entry[:1] not in (b"R", b"S"):
             owner = inline_owner(entry)  # gone with its producer; in another PID namespace
-            if owner is None or owner[1] != pid_namespace():  # a pid there means nothing,
-                return False  # and its producer withdraws it
-            return not pid_alive(owner[0])
+            alive = None if owner is None else local_verdict(owner[1], owner[0])
+            return alive is False  # a pid means nothing: its producer withdraws it
         ref = msgpack.unpackb(entry[1:])
         seg = ref["seg"]
         if not isinstance(seg, str) or not seg.startswith(SEG_PREFIX) or "/" in seg:
@@ -426,10 +397,11 @@ def sweepable(name: str, stale_s: float = STALE_S) -> bool:
 def sweep_orphans(stale_s: float = STALE_S) -> list[str]:
     """Unlink this user's arena files whose owner is gone; return their names.
 
-    A segment's owner is gone when its heartbeat is older than ``stale_s`` (or, in our
-    own PID namespace, its pid exited); an index entry goes with its segment; a claim or
-    temporary file once it is ``stale_s`` old. Another user's files are never touched,
-    and a file that cannot be removed is logged and skipped.
+    A segment's owner is gone when, in our PID namespace, its pid no longer runs with the
+    recorded start time, or, in another, its heartbeat is older than ``stale_s``
+    (:mod:`~vllm_omni_kv.backends.shm.liveness`); an index entry goes with its segment; a
+    claim or temporary file once it is ``stale_s`` old. Another user's files are never
+    touched, and a file that cannot be removed is logged and skipped.
     """
     removed: list[str] = []
     try:

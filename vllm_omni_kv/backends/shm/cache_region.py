@@ -30,6 +30,7 @@ import fcntl
 import hashlib
 import mmap
 import os
+import struct
 import threading
 import uuid
 from collections.abc import Iterator, Sequence
@@ -38,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_omni_kv.backends.cache_region import AllocateHostCache, CacheRegion
+from vllm_omni_kv.backends.cache_region import AllocateHostCache, CacheRegion, check_generation
 from vllm_omni_kv.backends.shm import arena
 from vllm_omni_kv.backends.shm.liveness import (
     W_BEAT,
@@ -46,8 +47,9 @@ from vllm_omni_kv.backends.shm.liveness import (
     W_PIDNS,
     now_ms,
     owner_alive,
-    pid_namespace,
+    owner_ident,
 )
+from vllm_omni_kv.backends.shm.pinned_map import PinnedMap
 from vllm_omni_kv.backends.shm.producer import ProducerArena
 from vllm_omni_kv.errors import KVPayloadError, KVTransferError
 from vllm_omni_kv.kvcache.shared_pages import layer_geometry
@@ -59,6 +61,8 @@ logger = init_logger(__name__)
 REVOKED = b"\0revoked"
 #: what it appends to a hold it took back from a reader past the lease and its grace
 EXPIRED = b"\0expired"
+#: what it appends to a hold whose cache vLLM's sleep mode discards (see HoldFiles.void_holds)
+SLEPT = b"\0asleep_"
 #: where the KV bytes start in a cache segment (one page after the slot header)
 KV_OFFSET = 4096
 
@@ -177,6 +181,16 @@ class HoldFiles:
         if hold.startswith(arena.HOLD_PREFIX) and "/" not in hold:
             arena.unlink_quiet(hold)
 
+    def void_holds(self) -> None:
+        """Producer: the cache is going away (vLLM's sleep): mark every hold of this
+        process :data:`SLEPT` and unlink it; a reader copying under one fails when its
+        copy ends, a reader yet to begin finds it gone."""
+        with self._lock:
+            mine, self._mine = list(self._mine), set()
+        for name in mine:
+            self.revoke(name, SLEPT)
+            arena.unlink_quiet(name)
+
     def close_holds(self) -> None:
         with self._lock:
             mine, self._mine = list(self._mine), set()
@@ -186,6 +200,11 @@ class HoldFiles:
 
 def _revoked(mark: bytes) -> KVTransferError:
     """Why a copy under a hold marked ``mark`` failed."""
+    if mark == SLEPT:
+        return KVTransferError(
+            "the producer's KV cache was put to sleep (vLLM sleep mode) while its blocks "
+            "were copied: the request is recomputed"
+        )
     if mark == EXPIRED:
         return KVTransferError(
             "this copy outlived the payload's lease and its grace (hold_grace): the producer "
@@ -239,7 +258,7 @@ class ShmCacheRegion(HoldFiles, CacheRegion):
         except OSError as e:
             self.unavailable_reason = f"cannot create {arena.path(name)}: {e}"
             return None
-        arena.pin_map(mm)
+        mm.pin_later()  # in the background: vLLM's start does not wait for it
         self._seg = arena.Segment(name, nbytes, mm)
         self.producer.adopt(self._seg)
         self.owner_name = name
@@ -253,11 +272,11 @@ class ShmCacheRegion(HoldFiles, CacheRegion):
         )
         return self.tensor
 
-    def _map_segment(self, name: str, nbytes: int) -> mmap.mmap:
+    def _map_segment(self, name: str, nbytes: int) -> PinnedMap:
         """Create cache segment ``name`` for ``nbytes`` of KV cache (its pages reserved) and
         map it; ``KVTransferError`` when ``/dev/shm`` has no room for it."""
         head = np.zeros(arena.SLOT_WORDS, dtype="<u8")
-        head[[W_OWNER, W_BEAT, W_PIDNS]] = (self.producer.instance, now_ms(), pid_namespace())
+        head[[W_OWNER, W_BEAT, W_PIDNS]] = (self.producer.instance, now_ms(), owner_ident())
         fd = arena._create_file(
             name,
             KV_OFFSET + nbytes,
@@ -267,7 +286,7 @@ class ShmCacheRegion(HoldFiles, CacheRegion):
             "(kv_cache_memory_bytes)",
         )
         try:
-            return mmap.mmap(fd, KV_OFFSET + nbytes, flags=mmap.MAP_SHARED | arena.POPULATE)
+            return PinnedMap(fd, KV_OFFSET + nbytes, flags=mmap.MAP_SHARED | arena.POPULATE)
         except BaseException:
             arena.unlink_quiet(name)
             raise
@@ -280,8 +299,26 @@ class ShmCacheRegion(HoldFiles, CacheRegion):
         base, nbytes = self.tensor.data_ptr(), int(self.tensor.numel())
         if layer_geometry(caches, base, nbytes) is None:
             return None
-        desc = {"kind": self.kind, "name": self._seg.name, "owner": self.producer.instance}
+        desc = {
+            "kind": self.kind,
+            "name": self._seg.name,
+            "owner": self.producer.instance,
+            "generation": self.generation,
+        }
         return desc, base, nbytes
+
+    def _withdraw(self) -> None:
+        self._publish_generation()
+        self.void_holds()
+        self._drop_maps()  # consumer: no copy runs now (vLLM's sleep waits for the loads)
+
+    def _restore(self) -> None:
+        self._publish_generation()
+
+    def _publish_generation(self) -> None:
+        """Producer: the cache segment's header names the generation consumers check."""
+        if self._seg is not None:
+            self._seg.set_state(self._seg.state()[0], self.generation)
 
     # -- consumer ------------------------------------------------------------------------
     def attach(self, descriptor: Any) -> torch.Tensor:
@@ -295,6 +332,7 @@ class ShmCacheRegion(HoldFiles, CacheRegion):
             hit = self._maps.get(name)
             if hit is not None and hit[0] == owner:
                 if self._alive(name, hit[1]):
+                    check_generation(descriptor, _generation(hit[1]))
                     return hit[2]
                 dead = self._maps.pop(name)[1]  # unmapped below, so its memory can go
             hit = None
@@ -311,7 +349,7 @@ class ShmCacheRegion(HoldFiles, CacheRegion):
             size = os.fstat(fd).st_size
             if size <= KV_OFFSET:
                 raise KVPayloadError(f"{arena.path(name)} is not a KV cache segment")
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+            mm = PinnedMap(fd, size, flags=mmap.MAP_SHARED)
         finally:
             os.close(fd)
         words = np.frombuffer(mm, dtype="<u8", count=arena.SLOT_WORDS)
@@ -323,7 +361,12 @@ class ShmCacheRegion(HoldFiles, CacheRegion):
         if not self._alive(name, mm):
             arena.close_map(mm)
             raise self._not_alive(name)
-        arena.pin_map(mm)
+        try:
+            check_generation(descriptor, _generation(mm))
+        except BaseException:
+            arena.close_map(mm)
+            raise
+        mm.pin_later()  # in the background: this load's copies stay synchronous until it lands
         view = torch.frombuffer(
             arena.exported(mm), dtype=torch.uint8, count=size - KV_OFFSET, offset=KV_OFFSET
         )
@@ -335,20 +378,29 @@ class ShmCacheRegion(HoldFiles, CacheRegion):
         return view
 
     def _alive(self, name: str, mm: mmap.mmap) -> bool:
-        words = [int(w) for w in np.frombuffer(mm, dtype="<u8", count=arena.SLOT_WORDS)]
+        words = struct.unpack_from(f"<{arena.SLOT_WORDS}Q", mm)
         return owner_alive(words, arena._owner_pid(name), self.stale_s)
 
     def _not_alive(self, name: str) -> KVTransferError:
         return KVTransferError(
-            f"the producer owning {arena.path(name)} is not alive (no heartbeat for "
-            f"{self.stale_s:g}s)"
+            f"the producer owning {arena.path(name)} is not alive (its process exited, or in "
+            f"another PID namespace its heartbeat is over {self.stale_s:g}s old)"
         )
 
     def close(self) -> None:
         self.close_holds()
+        self._drop_maps()
+        # the cache segment is the arena's to unlink (adopted), after vLLM let go of it
+
+    def _drop_maps(self) -> None:
+        """Consumer: unmap every producer's cache segment."""
         self._views = {}
         with self._maps_lock:
             maps, self._maps = list(self._maps.values()), {}
         for _owner, mm, _view in maps:
             arena.close_map(mm)
-        # the cache segment is the arena's to unlink (adopted), after vLLM let go of it
+
+
+def _generation(mm: mmap.mmap) -> int:
+    """The generation a cache segment's header names (see ``CacheRegion.generation``)."""
+    return int(struct.unpack_from("<Q", mm, 8)[0])  # word 1 of the slot header

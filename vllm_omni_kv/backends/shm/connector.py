@@ -16,11 +16,11 @@ out while the producer writes the next. A stream's ``load(spans)`` reads and
 verifies only the chunks covering ``spans``; ``discard`` frees an entry without
 reading its payload.
 
-Liveness across containers (separate PID namespaces sharing ``/dev/shm``) comes from a
-heartbeat in every segment header, and a reader that dies after claiming a segment
-loses it once its lease goes stale (both after ``heartbeat_stale_s``; see
-:mod:`vllm_omni_kv.backends.shm.liveness`). A waiting consumer extends an unconsumed
-entry's lease with :meth:`SharedMemoryConnector.extend`: it moves the index entry's
+A segment owner in our PID namespace is alive while its pid runs with the start time its
+header records; across containers (separate PID namespaces sharing ``/dev/shm``) its
+heartbeat tells, and a reader that dies after claiming a segment loses it once its lease
+goes stale (both after ``heartbeat_stale_s``; see :mod:`vllm_omni_kv.backends.shm.liveness`).
+A waiting consumer extends an unconsumed entry's lease with :meth:`SharedMemoryConnector.extend`: it moves the index entry's
 modification time into the future, which the producer reads in ``held_until``.
 """
 
@@ -80,12 +80,12 @@ class SharedMemoryConnector(OmniConnectorBase):
     ``stream`` (publish entries before they are fully written so that
     ``open_stream`` readers overlap their copy with the producer's; default
     true on x86-64, whose store ordering the protocol relies on),
-    ``heartbeat_stale_s`` (a producer heartbeat or reader lease older than this counts
-    as dead; default 10, at least 3), ``share_cache`` (allocate the producer's host KV
-    cache in shared memory and send block ids instead of bytes, so a consumer copies its
-    pages once, cache to cache; default true: measured at 96% of a memcpy against 32%
-    for packed frames in ``benchmarks/one_copy_bench.py``; a cache that cannot be
-    placed there, e.g. a small ``/dev/shm``, falls back to packed payloads; see
+    ``heartbeat_stale_s`` (a heartbeat of a producer in another PID namespace, or a
+    reader lease, older than this counts as dead; default 120, at least 3),
+    ``share_cache`` (allocate the producer's host KV cache in shared memory and send block
+    ids instead of bytes, so a consumer copies its pages once, cache to cache; default
+    true: measured at 121% of a memcpy against 39% for packed frames at 64 MiB in
+    ``benchmarks/one_copy_bench.py``; a cache that cannot be placed there, e.g. a small ``/dev/shm``, falls back to packed payloads; see
     :mod:`vllm_omni_kv.backends.shm.cache_region`), ``verify_pages`` (with ``share_cache``
     on a host cache: a digest per page, verified by consumers after copying; default
     false), ``populate`` (map arena segments pre-faulted, ``MAP_POPULATE``; default true).

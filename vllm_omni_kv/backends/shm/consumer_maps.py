@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from vllm_omni_kv.backends.shm import arena
 from vllm_omni_kv.backends.shm.liveness import STALE_S
+from vllm_omni_kv.backends.shm.pinned_map import PinnedMap
 from vllm_omni_kv.errors import KVTransferError
 
 __all__ = ["ConsumerMaps"]
@@ -24,7 +25,7 @@ __all__ = ["ConsumerMaps"]
 
 @dataclass
 class _Mapping:
-    mm: mmap.mmap
+    mm: PinnedMap
     users: int = 0
     retired: bool = False  # evicted or dropped: closed once its last user released it
 
@@ -36,8 +37,8 @@ class ConsumerMaps:
     segment releases it when it hands the segment back). A mapping evicted or dropped
     while in use is unregistered from CUDA and closed only once its last user released
     it, so another load thread never copies out of memory unregistered under it. Only
-    pooled segments are registered (``pin``): a one-shot one is read once, and
-    registering costs more than its copy gains.
+    pooled segments are registered (``pin``), in the background (:mod:`.pinned_map`): a
+    one-shot one is read once, and registering costs more than its copy gains.
     """
 
     def __init__(self, max_maps: int = 64, stale_s: float = STALE_S) -> None:
@@ -47,7 +48,7 @@ class ConsumerMaps:
         self.max_maps = max_maps
         self.stale_s = stale_s  # a producer heartbeat older than this is dead
 
-    def acquire(self, name: str, pin: bool = True) -> mmap.mmap:
+    def acquire(self, name: str, pin: bool = True) -> PinnedMap:
         """The mapping of segment ``name``, in use until :meth:`release`."""
         with self._lock:
             hit = self._maps.get(name)
@@ -56,8 +57,6 @@ class ConsumerMaps:
                 hit.users += 1
                 return hit.mm
         mm = _map_file(name)
-        if pin:
-            arena.pin_map(mm)  # copies into a GPU cache run by DMA, on the load's stream
         with self._lock:
             raced = self._maps.get(name)
             if raced is None:
@@ -69,6 +68,8 @@ class ConsumerMaps:
         if raced is not None:  # another thread mapped it meanwhile: keep one mapping
             arena.close_map(mm)
             return raced.mm
+        if pin:
+            mm.pin_later()  # in the background: copies run by DMA once it lands
         for old in closing:
             arena.close_map(old)
         return mm
@@ -125,7 +126,7 @@ class ConsumerMaps:
             arena.close_map(mm)
 
 
-def _map_file(name: str) -> mmap.mmap:
+def _map_file(name: str) -> PinnedMap:
     """Map segment file ``name`` (it must belong to this process's user)."""
     fd = os.open(arena.path(name), os.O_RDWR | os.O_NOFOLLOW)
     try:
@@ -135,6 +136,6 @@ def _map_file(name: str) -> mmap.mmap:
                 f"segment {name} belongs to uid {st.st_uid}, not to this process's uid "
                 f"{os.getuid()}: producer and consumer must run as the same user"
             )
-        return mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED | arena.POPULATE)
+        return PinnedMap(fd, st.st_size, flags=mmap.MAP_SHARED | arena.POPULATE)
     finally:
         os.close(fd)

@@ -7,7 +7,7 @@ import os
 import stat
 import struct
 
-from vllm_omni_kv.backends.shm.liveness import pid_namespace
+from vllm_omni_kv.backends.shm.liveness import owner_ident
 from vllm_omni_kv.errors import KVPayloadError
 
 
@@ -51,7 +51,7 @@ def read_owned_fd(fd: int, file: str, max_bytes: int) -> bytes:
         raise KVPayloadError(f"cannot read shared-memory file {file}: {e}") from e
 
 
-#: an inline index entry: ``b"O"`` + the producer's pid and PID-namespace inode (u64 each)
+#: an inline index entry: ``b"O"`` + the producer's pid and identity (``ident``, u64 each)
 #: + the frame (``b"I"`` + frame, without an owner, is still read)
 INLINE_OWNED = b"O"
 _INLINE_HEAD = struct.Struct("<QQ")
@@ -59,7 +59,7 @@ _INLINE_HEAD = struct.Struct("<QQ")
 
 def inline_entry(frame: bytes | bytearray) -> bytes:
     """The index entry of a small frame carried inline, naming this process as its owner."""
-    return INLINE_OWNED + _INLINE_HEAD.pack(os.getpid(), pid_namespace()) + bytes(frame)
+    return INLINE_OWNED + _INLINE_HEAD.pack(os.getpid(), owner_ident()) + bytes(frame)
 
 
 def inline_frame(entry: bytes) -> bytes | None:
@@ -72,7 +72,7 @@ def inline_frame(entry: bytes) -> bytes | None:
 
 
 def inline_owner(entry: bytes) -> tuple[int, int] | None:
-    """``(pid, PID-namespace inode)`` of an owned inline entry's producer."""
+    """``(pid, ident)`` of an owned inline entry's producer (see ``liveness.owner_ident``)."""
     if entry[:1] != INLINE_OWNED or len(entry) < 1 + _INLINE_HEAD.size:
         return None
     pid, pidns = _INLINE_HEAD.unpack_from(entry, 1)

@@ -136,7 +136,8 @@ def _orphaned(name: str, stale_s: float) -> bool:
 
 def inventory(namespace: str, stale_s: float = arena.STALE_S) -> ShmInventory:
     """The files of ``namespace`` now; ``stale_s``: the heartbeat age after which an owner
-    counts as gone (the backend's ``heartbeat_stale_s``)."""
+    in another PID namespace counts as gone (the backend's ``heartbeat_stale_s``; one in
+    ours is judged by its pid, see :mod:`~vllm_omni_kv.backends.shm.liveness`)."""
     n: Counter[str] = Counter()
     states = _no_states()
     for name in sorted(arena.namespace_files(namespace)):

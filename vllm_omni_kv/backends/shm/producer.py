@@ -29,7 +29,6 @@ from vllm_omni_kv.backends.shm.arena import (
     _no_room,
     namespace_tag,
     path,
-    pin_map,
     size_class,
     unlink_quiet,
 )
@@ -43,8 +42,9 @@ from vllm_omni_kv.backends.shm.liveness import (
     W_READER,
     lease_of,
     now_ms,
-    pid_namespace,
+    owner_ident,
 )
+from vllm_omni_kv.backends.shm.pinned_map import PinnedMap
 from vllm_omni_kv.logger import init_logger
 from vllm_omni_kv.wire import codec
 
@@ -111,22 +111,23 @@ class ProducerArena:
         return seg, pooled
 
     def _new_segment(self, capacity: int, pin: bool = True) -> Segment:
-        """A new segment; ``pin``: register it with CUDA (pooled segments, reused for the
-        process's life: registering costs milliseconds per GB, too much for a one-shot)."""
+        """A new segment; ``pin``: have it registered with CUDA in the background (pooled
+        segments, reused for the process's life: registering costs about 0.6 s per GiB, too
+        much for a one-shot; ``put`` never waits for it)."""
         name = f"{SEG_PREFIX}{self.pid}_{self.tag}_{uuid.uuid4().hex[:16]}"
         head = np.zeros(SLOT_WORDS, dtype="<u8")
-        head[[W_OWNER, W_BEAT, W_PIDNS]] = (self.instance, now_ms(), pid_namespace())
+        head[[W_OWNER, W_BEAT, W_PIDNS]] = (self.instance, now_ms(), owner_ident())
         fd = _create_file(name, DATA_OFFSET + capacity, head.tobytes())
         try:
             flags = mmap.MAP_SHARED | (POPULATE if self.populate else 0)
-            mm = mmap.mmap(fd, DATA_OFFSET + capacity, flags=flags)
+            mm = PinnedMap(fd, DATA_OFFSET + capacity, flags=flags)
         except BaseException:
             unlink_quiet(name)
             raise
         finally:
             os.close(fd)
         if pin:
-            pin_map(mm)
+            mm.pin_later()
         return Segment(name, capacity, mm)
 
     def published(self, seg: Segment, pooled: bool, index_name: str) -> None:

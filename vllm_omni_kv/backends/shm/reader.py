@@ -12,8 +12,9 @@ order (x86-64 TSO); the shared-memory connector streams only on such CPUs.
 
 While a reader holds a claimed segment, a thread of its process renews the segment's
 reader lease every ``HEARTBEAT_S`` (:class:`ReaderLeases`); a producer takes back a
-segment whose lease went stale (its reader died). Whether a producer is alive is read
-from its heartbeat (:func:`~vllm_omni_kv.backends.shm.liveness.owner_alive`).
+segment whose lease went stale (its reader died). Whether a producer is alive: its pid
+(in our PID namespace) or its heartbeat
+(:func:`~vllm_omni_kv.backends.shm.liveness.owner_alive`).
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ LEASES = ReaderLeases()
 
 
 def producer_alive(seg: arena.Segment, ref: Ref, maps: ConsumerMaps) -> bool:
-    """Whether the producer that wrote ``seg`` is alive (its heartbeat; see liveness)."""
+    """Whether the producer that wrote ``seg`` is alive (its pid or heartbeat; see liveness)."""
     return owner_alive(seg.words().tolist(), ref.pid, maps.stale_s)
 
 

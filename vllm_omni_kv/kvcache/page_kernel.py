@@ -1,0 +1,118 @@
+"""One Triton launch for a whole device move: every layer's pages through a layer table.
+
+The device mover's fast path where Triton and a CUDA cache are present: one program per
+(layer, page pair) and chunk of ``BLOCK`` words copies that chunk, reading the layer's
+source and destination base addresses, page strides and page size from small tables,
+so a move of any number of layers and pages is one launch and one upload of its
+tables (the pattern of SGLang's ``transfer_kv_all_layer`` and of the reference kernel
+measured in ``shared/gpu-results/2026-11-27-h200``). Pages must be dense with byte
+strides (every page one run of memory); anything else takes the per-layer gather and
+scatter. Triton is imported on first use only; with ``TRITON_INTERPRET=1`` set before
+then the same kernel runs on host tensors (how the tests check its bytes without a GPU).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import torch
+
+from vllm_omni_kv.kvcache.cache_layout import dense_pages
+from vllm_omni_kv.kvcache.move_plan import MovePlan
+
+#: words each program copies
+BLOCK = 2048
+
+
+@functools.cache
+def _kernel() -> Any:
+    """The jitted kernel (None without Triton)."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit  # type: ignore[misc]
+    def copy_pages(table, n_layers, items, WORD: tl.constexpr, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]  # noqa: N803
+        item = tl.program_id(0)
+        start = tl.program_id(1) * BLOCK
+        layer = tl.load(items + item)
+        per = tl.load(table + 4 * n_layers + layer)  # the layer's page, in words
+        if start < per:
+            src = tl.load(table + layer).to(tl.pointer_type(WORD))
+            dst = tl.load(table + n_layers + layer).to(tl.pointer_type(WORD))
+            s = tl.load(items + tl.num_programs(0) + item) * tl.load(table + 2 * n_layers + layer)
+            d = tl.load(items + 2 * tl.num_programs(0) + item) * tl.load(
+                table + 3 * n_layers + layer
+            )
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < per
+            tl.store(dst + d + offs, tl.load(src + s + offs, mask=mask), mask=mask)
+
+    return copy_pages
+
+
+def usable(plan: MovePlan, device: torch.device) -> bool:
+    """Whether :func:`launch` can move ``plan`` on ``device``: Triton present, a CUDA
+    device (or the interpreter), and every moved page dense with byte strides."""
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    layers = [i for g in plan.groups for i in g.layers]
+    for i in layers:
+        for pv in (plan.src[i], plan.dst[i]):
+            if pv.device != device or not dense_pages(pv, host=False):
+                return False
+    return bool(layers) and _kernel() is not None
+
+
+def _word(plan: MovePlan, layers: list[int]) -> int:
+    """The widest word every address, stride and page size of the move is a multiple of."""
+    values = [plan.page_bytes(i) for i in layers]
+    for i in layers:
+        for pv in (plan.src[i], plan.dst[i]):
+            values += [pv.data_ptr(), pv.stride(0) * pv.element_size()]
+    return next(w for w in (8, 4, 2, 1) if all(v % w == 0 for v in values))
+
+
+def tables(plan: MovePlan, device: torch.device) -> tuple[torch.Tensor, int, int, int]:
+    """``(one int64 tensor on the host: the layer table then the items, layers, items,
+    word bytes)``: per layer source / destination address, page strides and page size
+    in words; per (layer, pair) its layer, source page and destination page."""
+    layers = sorted({i for g in plan.groups for i in g.layers})
+    word = _word(plan, layers)
+    row = {layer: k for k, layer in enumerate(layers)}
+    table = [plan.src[i].data_ptr() for i in layers] + [plan.dst[i].data_ptr() for i in layers]
+    table += [plan.src[i].stride(0) * plan.src[i].element_size() // word for i in layers]
+    table += [plan.dst[i].stride(0) * plan.dst[i].element_size() // word for i in layers]
+    table += [plan.page_bytes(i) // word for i in layers]
+    item_layer: list[int] = []
+    item_src: list[int] = []
+    item_dst: list[int] = []
+    for g in plan.groups:
+        for i in g.layers:
+            item_layer += [row[i]] * len(g.pairs)
+            item_src += [s for s, _ in g.pairs]
+            item_dst += [d for _, d in g.pairs]
+    host = torch.tensor(table + item_layer + item_src + item_dst, dtype=torch.int64)
+    if device.type == "cuda" and torch.cuda.is_available():
+        host = host.pin_memory()
+    return host, len(layers), len(item_layer), word
+
+
+def launch(plan: MovePlan, host: torch.Tensor, layers: int, items: int, word: int) -> None:
+    """Upload the tables (one copy) and launch the kernel once, on the calling thread's
+    current stream of the plan's device."""
+    device = plan.dst[plan.groups[0].layers[0]].device
+    up = host if device.type == "cpu" else host.to(device, non_blocking=True)
+    per = max(plan.page_bytes(i) for g in plan.groups for i in g.layers) // word
+    grid = (items, -(-per // BLOCK))
+    _kernel()[grid](up, layers, up[5 * layers :], WORD=_tl_word(word), BLOCK=BLOCK)
+
+
+def _tl_word(word: int) -> Any:
+    import triton.language as tl
+
+    return {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.uint8}[word]
