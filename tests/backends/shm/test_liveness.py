@@ -21,13 +21,12 @@ import numpy as np
 import pytest
 import torch
 from _mp import CTX
+from _planted import dead_pid, plant_segment
 
 from vllm_omni_kv import KVCacheTransferData, SharedMemoryConnector
 from vllm_omni_kv.backends.shm import arena as shm_arena
 from vllm_omni_kv.backends.shm.connector import index_name
 from vllm_omni_kv.backends.shm.liveness import (
-    W_BEAT,
-    W_OWNER,
     W_PIDNS,
     now_ms,
     owner_alive,
@@ -185,31 +184,13 @@ def test_a_namespaced_producer_that_closes_leaves_nothing(ns: str, namespaced_pr
 
 
 # -- constructed headers: the cases one namespace cannot produce ----------------------------
-def _plant_segment(ns: str, pid: int, beat: int, pidns: int) -> str:
-    """A segment file as a producer with ``pid`` in namespace ``pidns`` would leave it."""
-    name = f"{shm_arena.SEG_PREFIX}{pid}_{shm_arena.namespace_tag(ns)}_planted{beat % 9973}"
-    head = np.zeros(shm_arena.SLOT_WORDS, dtype="<u8")
-    head[[W_OWNER, W_BEAT, W_PIDNS]] = (12345, beat, pidns)
-    fd = os.open(shm_arena.path(name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.write(fd, head.tobytes() + bytes(4096))
-    finally:
-        os.close(fd)
-    return name
-
-
-def _dead_pid() -> int:
-    p = CTX.Process(target=time.sleep, args=(0,))
-    p.start()
-    p.join(30)
-    return p.pid
 
 
 def test_nonexistent_pid_with_a_fresh_heartbeat_from_another_namespace_is_kept(ns: str) -> None:
     # Before heartbeats, a pid unknown here meant "dead": the sweep deleted a live
     # container's files. A fresh beat from another PID namespace keeps them.
-    pid = _dead_pid()
-    name = _plant_segment(ns, pid, now_ms(), pidns=1)
+    pid = dead_pid()
+    name = plant_segment(ns, pid, now_ms(), ident=1)
     try:
         assert not pid_alive(pid)
         assert _sweep(ns) == []
@@ -219,7 +200,7 @@ def test_nonexistent_pid_with_a_fresh_heartbeat_from_another_namespace_is_kept(n
 
 
 def test_same_namespace_dead_pid_is_dead_at_once_despite_a_fresh_beat(ns: str) -> None:
-    name = _plant_segment(ns, _dead_pid(), now_ms(), pidns=pid_namespace())
+    name = plant_segment(ns, dead_pid(), now_ms(), ident=pid_namespace())
     assert _sweep(ns) == [name]
 
 
@@ -227,8 +208,8 @@ def test_live_but_unrelated_pid_with_a_stale_heartbeat_is_swept(ns: str) -> None
     # pid reuse (or another namespace's pid that happens to exist here): kill(pid, 0)
     # says alive forever; the stale beat says dead.
     stale = now_ms() - int((STALE + 60) * 1000)
-    mine = _plant_segment(ns, os.getppid(), stale, pidns=pid_namespace())
-    theirs = _plant_segment(ns, 1, stale - 1, pidns=1)
+    mine = plant_segment(ns, os.getppid(), stale, ident=pid_namespace())
+    theirs = plant_segment(ns, 1, stale - 1, ident=1)
     assert pid_alive(os.getppid()) and pid_alive(1)
     assert _sweep(ns) == sorted([mine, theirs])
 

@@ -20,10 +20,11 @@ import numpy as np
 import pytest
 import torch
 from _mp import CTX
+from _planted import dead_pid, plant_segment
 
 from vllm_omni_kv import KVCacheTransferData, SharedMemoryConnector, shm_inventory
 from vllm_omni_kv.backends.shm import arena
-from vllm_omni_kv.backends.shm.liveness import W_BEAT, W_OWNER, W_PIDNS, now_ms, owner_alive
+from vllm_omni_kv.backends.shm.liveness import W_BEAT, W_PIDNS, now_ms, owner_alive
 
 STALE = 3.0  # heartbeat_stale_s here (the smallest allowed): the pause outlasts it
 NBYTES = 2 << 20  # the producer's shared KV cache (above the 1 MiB a cache must reach)
@@ -141,48 +142,29 @@ def _ident(start: int, ns_inode: int, layout: int = 1) -> int:
 OUR_NS = os.stat("/proc/self/ns/pid").st_ino
 
 
-def _plant(ns: str, pid: int, beat: int, ident: int, tag: str) -> str:
-    name = f"{arena.SEG_PREFIX}{pid}_{arena.namespace_tag(ns)}_{tag}"
-    head = np.zeros(arena.SLOT_WORDS, dtype="<u8")
-    head[[W_OWNER, W_BEAT, W_PIDNS]] = (12345, beat, ident)
-    fd = os.open(arena.path(name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.write(fd, head.tobytes() + bytes(4096))
-    finally:
-        os.close(fd)
-    return name
-
-
-def _dead_pid() -> int:
-    p = CTX.Process(target=time.sleep, args=(0,))
-    p.start()
-    p.join(30)
-    return p.pid
-
-
 def test_pid_start_time_and_namespace_decide_and_heartbeats_only_across(ns: str) -> None:
-    me, parent, dead = os.getpid(), os.getppid(), _dead_pid()
+    me, parent, dead = os.getpid(), os.getppid(), dead_pid()
     stale_s = 60.0  # the sweep's threshold here: "fresh" stays fresh on a loaded machine
     old, now = now_ms() - int((stale_s + 60) * 1000), now_ms()  # a beat long stale, one fresh
     keep = {
         # our namespace, pid running with that start time: alive whatever its heartbeat
-        _plant(ns, me, old, _ident(_start_ticks(me), OUR_NS), "same_stale"),
-        _plant(ns, parent, 0, _ident(_start_ticks(parent), OUR_NS), "same_nobeat"),
+        plant_segment(ns, me, old, _ident(_start_ticks(me), OUR_NS), "same_stale"),
+        plant_segment(ns, parent, 0, _ident(_start_ticks(parent), OUR_NS), "same_nobeat"),
         # another namespace (its pid means nothing here): a fresh heartbeat keeps it
-        _plant(ns, dead, now, _ident(5, OUR_NS + 1), "other_fresh"),
+        plant_segment(ns, dead, now, _ident(5, OUR_NS + 1), "other_fresh"),
         # an unknown layout: foreign, judged by its heartbeat
-        _plant(ns, dead, now, _ident(_start_ticks(me), OUR_NS, 2), "unk_fresh"),
+        plant_segment(ns, dead, now, _ident(_start_ticks(me), OUR_NS, 2), "unk_fresh"),
         # a pid no process can have says nothing: its heartbeat decides
-        _plant(ns, 0, now, _ident(_start_ticks(me), OUR_NS), "pid0_fresh"),
+        plant_segment(ns, 0, now, _ident(_start_ticks(me), OUR_NS), "pid0_fresh"),
     }
     swept = {
         # a reused pid: the pid runs, but started at another time
-        _plant(ns, me, now, _ident(_start_ticks(me) + 1, OUR_NS), "reused"),
-        _plant(ns, dead, now, _ident(7, OUR_NS), "dead"),
+        plant_segment(ns, me, now, _ident(_start_ticks(me) + 1, OUR_NS), "reused"),
+        plant_segment(ns, dead, now, _ident(7, OUR_NS), "dead"),
         # another namespace with a stale heartbeat, whatever runs here under that pid
-        _plant(ns, me, old, _ident(_start_ticks(me), OUR_NS + 1), "other_stale"),
-        _plant(ns, me, old, _ident(_start_ticks(me), OUR_NS, 3), "unk_stale"),
-        _plant(ns, 2**23, old, _ident(_start_ticks(me), OUR_NS), "bigpid_stale"),
+        plant_segment(ns, me, old, _ident(_start_ticks(me), OUR_NS + 1), "other_stale"),
+        plant_segment(ns, me, old, _ident(_start_ticks(me), OUR_NS, 3), "unk_stale"),
+        plant_segment(ns, 2**23, old, _ident(_start_ticks(me), OUR_NS), "bigpid_stale"),
     }
     try:
         assert _mine(ns, arena.sweep_orphans(stale_s)) == swept
@@ -194,7 +176,7 @@ def test_pid_start_time_and_namespace_decide_and_heartbeats_only_across(ns: str)
 
 def test_owner_alive_is_total_over_hostile_headers() -> None:
     rng = np.random.default_rng(31)
-    pids: list[int | None] = [None, -1, 0, 1, os.getpid(), 2**22 + 1, 2**63, _dead_pid()]
+    pids: list[int | None] = [None, -1, 0, 1, os.getpid(), 2**22 + 1, 2**63, dead_pid()]
     specials = [0, 2**64 - 1, 1 << 62, 3 << 62, _ident(0, OUR_NS), OUR_NS]
     for i in range(400):
         words = [int(w) for w in rng.integers(0, 2**63, 8, dtype=np.uint64) * 2]
