@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 # pytest-xdist: each worker keeps its shared-memory files (and those of the engines it
@@ -44,6 +45,21 @@ def _left_by_us(name: str) -> bool:
     another run on this host owns its files."""
     pid = arena._owner_pid(name)
     return pid is None or pid == os.getpid() or not arena.pid_alive(pid)
+
+
+def _restore_environ() -> Iterator[None]:
+    """Put ``os.environ`` back as it was. Building a ``VllmConfig`` in this process (the
+    scheduler harness) sets ``LD_PRELOAD``, ``TORCHINDUCTOR_*`` and more here; engines
+    started later would inherit them and no longer fork from the preloaded zygote."""
+    before = dict(os.environ)
+    yield
+    if dict(os.environ) != before:
+        os.environ.clear()
+        os.environ.update(before)
+
+
+environ_per_module = pytest.fixture(scope="module", autouse=True)(_restore_environ)
+environ_per_test = pytest.fixture(autouse=True)(_restore_environ)
 
 
 @pytest.fixture(autouse=True)

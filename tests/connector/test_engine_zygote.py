@@ -58,7 +58,8 @@ def pair(tiny_model_dir: Path, shm_dir: Path) -> Iterator[tuple[EngineProc, Engi
 def test_env_decides_fork_or_fresh(pair: tuple[EngineProc, EngineProc]) -> None:
     forked, fresh = pair
     assert all(k.startswith(IMPORT_ENV_PREFIXES) for k in FRESH_ENV)
-    assert forked.forked and not fresh.forked
+    assert forked.forked, forked.fresh_because
+    assert not fresh.forked
     # each in its own process group, as start_new_session gives a fresh process
     assert os.getpgid(forked.proc.pid) == forked.proc.pid
     assert os.getpgid(forked.proc.pid) != os.getpgid(0)
@@ -98,7 +99,8 @@ def test_forked_engine_exit_codes(
     other = EngineProc(engine_cfg(tiny_model_dir), preloaded=True)
     try:
         other.wait_ready()
-        assert other.forked and other.proc.poll() is None
+        assert other.forked, other.fresh_because
+        assert other.proc.poll() is None
         kill_group(forked.proc.pid)
         assert forked.proc.wait(timeout=30) == -signal.SIGKILL
         assert forked.proc.returncode == -signal.SIGKILL
@@ -140,7 +142,7 @@ def test_a_module_main_forks_with_its_argv_env_and_output(tmp_path: Path) -> Non
     proc = engine_zygote.spawn_main(
         ["main_probe", "3", "x y"], env, str(tmp_path), out, zygote_env, LOG_DIR / "zygote-main.log"
     )
-    assert proc is not None
+    assert proc is not None, engine_zygote.refusal
     assert proc.wait(timeout=60) == 3
     assert out.read_text() == "earlier\nargv ['3', 'x y'] from-the-parent\n"
     assert (

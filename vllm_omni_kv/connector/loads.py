@@ -169,9 +169,11 @@ class LoadRunner:
             topo = self.topology(d.source_tp_size)
             for key, from_rank in self.session.recv_keys(d.transfer_id, topo):
                 ep = sender_endpoint(d.remote_host, d.remote_port, from_rank)
-                self.session.release_hold(key)
-                if self.session.discard(key, ep):
-                    logger.debug("request %s is fully cached here: released %s", d.req_id, key)
+                try:  # the payload goes before its hold: a released hold means nothing left
+                    if self.session.discard(key, ep):
+                        logger.debug("request %s needs no load: released %s", d.req_id, key)
+                finally:
+                    self.session.release_hold(key)
         except Exception as e:  # best effort: the producer expires it after send_ttl
             logger.debug("discarding the payload of %s: %s", d.req_id, e)
 

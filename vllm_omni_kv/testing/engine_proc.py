@@ -261,6 +261,12 @@ class EngineProc:
         forked = self._fork(cfg, full_env, log) if preloaded and cfg.get("in_process") else None
         #: forked from the zygote, or started fresh
         self.forked = forked is not None
+        #: why it was not forked (``None``: forked, or not asked to be)
+        self.fresh_because: str | None = None
+        if preloaded and cfg.get("in_process") and forked is None:
+            from vllm_omni_kv.testing import engine_zygote
+
+            self.fresh_because = engine_zygote.refusal or "the zygote did not answer the fork"
         self.proc: subprocess.Popen[str] | ForkedProcess = forked or self._popen(cfg, full_env)
         self._replies: deque[dict[str, Any]] = deque()
         self._cv = threading.Condition()

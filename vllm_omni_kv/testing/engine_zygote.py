@@ -294,6 +294,11 @@ class Zygote:
         usable = self._alive and h is not None and not h["foreign"] and h["threads"] == 1
         return h if usable else None
 
+    @property
+    def alive(self) -> bool:
+        """The zygote's socket is open (it has not exited)."""
+        return self._alive
+
     def wait_change(self, timeout: float) -> None:
         with self._cv:
             self._cv.wait(timeout)
@@ -363,6 +368,8 @@ class Zygote:
 
 _lock = threading.Lock()
 _zygote: Zygote | None = None
+#: why the last :func:`spawn` or :func:`spawn_main` of this process returned ``None``
+refusal: str | None = None
 
 
 def _shutdown() -> None:
@@ -379,9 +386,17 @@ def _usable(env: dict[str, str], zygote_env: dict[str, str], log: Path | None) -
             atexit.register(_shutdown)
             _zygote = Zygote(zygote_env, log)
         z = _zygote
+    global refusal
     hello = z.ready(timeout=300)
-    if hello is None or not forkable(env, z.env, hello["env"]):
+    if hello is None:
+        refusal = f"zygote unusable: alive={z.alive}, hello={z.hello}"
         return None
+    if not forkable(env, z.env, hello["env"]):
+        ours, theirs = import_env(env), import_env(z.env)
+        keys = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
+        refusal = f"environment differs from the zygote's on {keys}"
+        return None
+    refusal = None
     return z
 
 
