@@ -13,8 +13,8 @@ Limits: ``cuda_ipc``: a device-to-device copy of the same bytes in the consumer 
 NIXL ``READ``) of the same number of bytes from the producer's registered cache into the
 consumer's. ``make gpu-check`` runs the
 ``cuda_ipc`` default (JSON into ``$(GPU_OUT)``). Each row carries its ``target`` (issue 30:
-``cuda_ipc`` moves of 16 MiB and more at >= 70% of the device-to-device copy) and
-``meets_target``. Shape: 8 layers x 8 KV heads x head size
+``cuda_ipc`` moves of 16 MiB and more at >= 70% of the device-to-device copy; issue 32:
+``register_cache`` pulls of 16 MiB and more at >= 90% of the raw read) and ``meets_target``. Shape: 8 layers x 8 KV heads x head size
 128, bf16, K|V per token, 16-token blocks; the request's pages are half of a shuffled block
 table (short runs of consecutive blocks, as in a long-running server). A move is timed in
 the consumer from opening the payload to the pages being in its cache (synchronized), hold
@@ -38,7 +38,6 @@ from typing import Any
 import torch
 
 from vllm_omni_kv.backends.factory import OmniConnectorFactory
-from vllm_omni_kv.backends.pull.page_pull import BATCH_READS
 from vllm_omni_kv.backends.spec import ConnectorSpec
 from vllm_omni_kv.kvcache.cache_layout import infer_identity
 from vllm_omni_kv.kvcache.shared_pages import (
@@ -58,8 +57,13 @@ LIMITS = {
     "mooncake_cache": "raw transfer-engine read",
     "nixl_cache": "raw NIXL READ",
 }
-#: issue 30's targets: (backend, device) -> (smallest MiB it applies from, fraction of the limit)
-TARGETS = {("cuda_ipc", "cuda"): (16, 0.70)}
+#: targets: (backend, device) -> (smallest MiB it applies from, fraction of the limit):
+#: issue 30's for cuda_ipc, issue 32's for pulls out of a registered cache (>= 90% of one
+#: contiguous raw read of the same bytes)
+TARGETS = {
+    ("cuda_ipc", "cuda"): (16, 0.70),
+    **{(b, d): (16, 0.90) for b in ("mooncake_cache", "nixl_cache") for d in ("cpu", "cuda")},
+}
 #: the pull backends: their name in the factory and the settings of their engine
 PULL = {
     "mooncake_cache": ("mooncake", {"protocol": "tcp", "metadata_server": "P2PHANDSHAKE"}),
@@ -163,7 +167,7 @@ def _consumer(name: str, ns: str, nblocks: int, device: str, peer: Any, conn: An
 
 def _raw_page_reads(engine: Any, peer: Any, mine: list[torch.Tensor], cmd: Any) -> float:
     """Median seconds of the engine's own batched reads of exactly the move's page ranges
-    (per layer, runs consecutive on both sides, batches of ``BATCH_READS``): what the
+    (per layer, runs consecutive on both sides, one ``read_many``): what the
     transport charges for the scatter, without the connector."""
     _, remote_layers, pairs, repeats = cmd
     reads = [
@@ -174,8 +178,7 @@ def _raw_page_reads(engine: Any, peer: Any, mine: list[torch.Tensor], cmd: Any) 
     times = []
     for _ in range(repeats + 1):
         t0 = time.perf_counter()
-        for i in range(0, len(reads), BATCH_READS):
-            engine.read_many(peer["session"], reads[i : i + BATCH_READS])
+        engine.read_many(peer["session"], reads)
         times.append(time.perf_counter() - t0)
     return statistics.median(times[1:])
 

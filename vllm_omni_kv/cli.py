@@ -189,6 +189,8 @@ def _print_doctor(report: dict[str, Any]) -> None:
         if "selftest" in b:
             st = b["selftest"]
             line += f"\n            self-test: {'passed' if st.get('ok') else 'FAILED'} - {st.get('detail', '')}"
+            if st.get("transport"):
+                line += f"\n            transport: {st['transport']}"
         print(line)
 
 

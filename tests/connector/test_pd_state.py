@@ -89,6 +89,15 @@ PAIRS = [
 ]
 
 
+#: what each configured backend reports carried a load (``UCX_TLS`` unset in tests)
+CARRIED_BY = {
+    "shm": "shm",
+    "mooncake": "mooncake_te:tcp",
+    "mooncake_store": "mooncake_store",
+    "nixl": "nixl:UCX",
+}
+
+
 def _ktcs(
     transport: str, one_copy: bool, stack: contextlib.ExitStack
 ) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -220,6 +229,7 @@ def test_state_pd_decodes_the_producers_tokens_and_moves_one_state_per_layer(pai
         assert same_up_to_near_tie(tokens, want), (len(ids), tokens, want)
         assert load["ok"] is True and load["tokens"] == len(ids) - 1, load
         assert load["format"] == pair.format, load
+        assert load["transport"] == CARRIED_BY[pair.transport], load
         check_state_load_bytes(m, load, len(ids), 0)
 
 

@@ -36,6 +36,8 @@ class OmniConnectorBase(Closing, ABC):
     cache_region: CacheRegion | None = None
     #: whether a receiver checks every frame's chunk digests (a backend setting)
     verify: bool = True
+    #: what carries the bytes (:meth:`transport`)
+    TRANSPORT: ClassVar[str] = "unknown"
 
     _closed: bool = False
 
@@ -139,6 +141,11 @@ class OmniConnectorBase(Closing, ABC):
     @abstractmethod
     def health(self) -> dict[str, Any]:
         """Return status and counters (at least ``{"status": ...}``)."""
+
+    def transport(self) -> str:
+        """What carries this backend's bytes, for logs and metrics: a short name, constant
+        for the backend's life (``shm``, ``cuda_ipc``, ``mooncake_te:tcp``, ``nixl:UCX``)."""
+        return self.TRANSPORT
 
     @property
     def closed(self) -> bool:

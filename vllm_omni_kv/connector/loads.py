@@ -161,6 +161,7 @@ class LoadRunner:
             seconds=time.monotonic() - t0,
             write_seconds=got.write_seconds,
             format=got.format,
+            transport=self.session.transport(),
         )
 
     def discard(self, d: RemotePayload) -> None:

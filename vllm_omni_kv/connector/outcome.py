@@ -26,6 +26,8 @@ class Outcome:
     cancelled: bool = False
     #: the payload's format (``shared_pages``, ``paged_blocks``, ``token_major``)
     format: str = ""
+    #: what carried it (the backend's transport, e.g. ``shm``, ``nixl:UCX``)
+    transport: str = ""
 
     @property
     def reason(self) -> str:
@@ -47,7 +49,7 @@ def report(
     ``failed`` given, its request in ``failed``: vLLM maps no block ids of a model with
     several KV cache groups), log it, and return the ``omni_kv_load`` entry the
     scheduler half receives."""
-    stats.record_recv(out.nbytes, out.seconds, out.tokens, out.ok, out.reason)
+    stats.record_recv(out.nbytes, out.seconds, out.tokens, out.ok, out.reason, out.transport)
     if out.ok:
         logger.debug(
             "loaded %d tokens of %s: %d bytes in %.2f ms",
@@ -84,4 +86,5 @@ def report(
         "write_seconds": round(out.write_seconds, 6),
         "error": out.error,
         **({"format": out.format} if out.ok and out.format else {}),
+        **({"transport": out.transport} if out.ok and out.transport else {}),
     }

@@ -12,7 +12,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-from vllm_omni_kv.connector.stats import FAILURE_COUNTERS, FAILURE_REASONS
+from vllm_omni_kv.connector.stats import BY_TRANSPORT, FAILURE_COUNTERS, FAILURE_REASONS
 
 #: load latency buckets (seconds): shared memory loads take milliseconds, network ones more
 LOAD_SECONDS_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30]
@@ -61,6 +61,12 @@ class OmniKVPromMetrics(KVConnectorPromMetrics):
             idx: {r: failures.labels(*values, r) for r in FAILURE_REASONS}
             for idx, values in per.items()
         }
+        self.by_transport = self._counter_cls(
+            name="vllm:omnikv_loads_by_transport",
+            documentation="Successful KV loads by what carried them (shm, cuda_ipc, "
+            "mooncake_te:tcp, nixl:UCX[UCX_TLS=...]...)",
+            labelnames=[*labelnames, "transport"],
+        )
         self.load_seconds = create_metric_per_engine(
             self._histogram_cls(
                 name="vllm:omnikv_load_seconds",
@@ -110,6 +116,8 @@ class OmniKVPromMetrics(KVConnectorPromMetrics):
                 self.failures[engine_idx][reason].inc(n)
         if failed > named:
             self.failures[engine_idx]["transport"].inc(failed - named)
+        for name, n in d.get(BY_TRANSPORT, {}).items():
+            self.by_transport.labels(*self.per_engine_labelvalues[engine_idx], name).inc(n)
         for s in d.get("load_seconds", ()):
             self.load_seconds[engine_idx].observe(s)
         for b in d.get("load_bytes", ()):

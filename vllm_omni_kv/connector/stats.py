@@ -2,7 +2,8 @@
 
 Workers collect counters for one logging interval; vLLM aggregates the
 objects of all workers (and intervals) with :meth:`aggregate` and logs
-:meth:`reduce`. The payload (``data``) holds plain numbers only.
+:meth:`reduce`. The payload (``data``) holds plain numbers, lists of numbers and the
+loads per transport (a small dict of counts).
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ MAX_SAMPLES = 4096
 #: current values: the largest over the workers and steps aggregated (each TP rank holds
 #: one part of each request's payload)
 GAUGES: tuple[str, ...] = ("payloads_held", "bytes_held")
+#: successful loads per transport (the backend's ``transport()``): at most MAX_TRANSPORTS
+#: names, each at most 64 characters
+BY_TRANSPORT = "loads_by_transport"
+MAX_TRANSPORTS = 16
 #: why a load failed: ``num_recv_failures`` counts them all
 FAILURE_REASONS = ("timeout", "cancelled", "refused", "transport")
 #: the counter of each reason that has one of its own ("transport" is the rest)
@@ -46,7 +51,14 @@ FAILURE_COUNTERS = {
 def _zero() -> dict[str, Any]:
     d: dict[str, Any] = {k: 0 for k in COUNTERS + GAUGES}
     d.update({k: [] for k in SAMPLES})
+    d[BY_TRANSPORT] = {}
     return d
+
+
+def _count_transport(into: dict[str, int], name: str, n: int) -> None:
+    name = name[:64]
+    if name in into or len(into) < MAX_TRANSPORTS:
+        into[name] = into.get(name, 0) + int(n)
 
 
 @dataclass
@@ -59,7 +71,10 @@ class OmniKVConnectorStats(KVConnectorStats):
     def __post_init__(self) -> None:
         base = _zero()
         for k, v in (self.data or {}).items():
-            if k in base:
+            if k == BY_TRANSPORT and isinstance(v, dict):
+                for name, n in v.items():
+                    _count_transport(base[k], str(name), int(n))
+            elif k in base:
                 base[k] = list(v) if k in SAMPLES else v
         self.data = base
 
@@ -72,11 +87,20 @@ class OmniKVConnectorStats(KVConnectorStats):
             self.data["num_send_failures"] += 1
 
     def record_recv(
-        self, nbytes: int, seconds: float, tokens: int, ok: bool, reason: str = "transport"
+        self,
+        nbytes: int,
+        seconds: float,
+        tokens: int,
+        ok: bool,
+        reason: str = "transport",
+        transport: str = "",
     ) -> None:
-        """One finished load; ``reason`` (one of :data:`FAILURE_REASONS`) when it failed."""
+        """One finished load; ``reason`` (one of :data:`FAILURE_REASONS`) when it failed,
+        ``transport``: what carried it."""
         if ok:
             self.data["num_recvs"] += 1
+            if transport:
+                _count_transport(self.data[BY_TRANSPORT], transport, 1)
             self.data["bytes_received"] += int(nbytes)
             self.data["recv_seconds"] += float(seconds)
             self.data["tokens_received"] += int(tokens)
@@ -117,6 +141,8 @@ class OmniKVConnectorStats(KVConnectorStats):
         for k in SAMPLES:
             room = MAX_SAMPLES - len(self.data[k])
             self.data[k] = list(self.data[k]) + list(other.data.get(k, []))[: max(0, room)]
+        for name, n in other.data.get(BY_TRANSPORT, {}).items():
+            _count_transport(self.data[BY_TRANSPORT], name, n)
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -144,6 +170,6 @@ class OmniKVConnectorStats(KVConnectorStats):
         (the held-payload gauge carries over)."""
         if self.is_empty():
             return None
-        snapshot = OmniKVConnectorStats(data={k: v for k, v in self.data.items()})
+        snapshot = OmniKVConnectorStats(data=dict(self.data))
         self.reset()
         return snapshot

@@ -29,7 +29,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -144,6 +144,8 @@ class FakeStream(ChunkedStream):
 
 class FakeBackend(OmniConnectorBase):
     """In-process connector with chunk-verified ranged loads; see the module docstring."""
+
+    TRANSPORT: ClassVar[str] = "in-process"
 
     def __init__(self, config: dict[str, Any] | None = None) -> None:
         cfg = dict(config or {})

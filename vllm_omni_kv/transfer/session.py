@@ -344,6 +344,10 @@ class TransferSession:
     def verifies_frames(self) -> bool:
         return self.backend.verify
 
+    def transport(self) -> str:
+        """What carries this session's bytes (the backend's :meth:`transport`)."""
+        return self.backend.transport()
+
     def endpoint(self) -> tuple[str, int] | None:
         """``(host, port)`` of the side channel consumers address, if the backend serves one."""
         return self.backend.side_channel_endpoint()

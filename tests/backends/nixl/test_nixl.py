@@ -311,3 +311,15 @@ def test_a_cache_registered_after_the_handshake_is_pulled_after_reloading() -> N
     finally:
         receiver.close()
         sender.close()
+
+
+def test_a_device_read_on_this_host_is_a_warning_with_what_to_use() -> None:
+    """NIXL READs of another process's GPU memory on one host ran over TCP on the H200
+    (0.45-0.56 GB/s): the handshake warns and names the alternatives; host memory, or a
+    peer on another host, is no warning."""
+    from vllm_omni_kv.backends.nixl.engine import device_read_warning
+
+    warned = device_read_warning(["DRAM:0", "VRAM:1"], "tcp://127.0.0.1:5555")
+    assert warned is not None and "cuda_ipc" in warned and "memory_pool_device: cpu" in warned
+    assert device_read_warning(["DRAM:0"], "tcp://127.0.0.1:5555") is None
+    assert device_read_warning(["VRAM:0"], "tcp://192.0.2.7:5555") is None  # TEST-NET: not us

@@ -11,7 +11,7 @@ GPU, or two with peer access). Registered as ``cuda_ipc`` (vllm-omni's
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -23,6 +23,8 @@ from vllm_omni_kv.errors import BackendUnavailable
 
 class CudaIpcConnector(SharedMemoryConnector):
     """Shared memory for payloads, CUDA IPC for the KV cache itself."""
+
+    TRANSPORT: ClassVar[str] = "cuda_ipc"
 
     def __init__(self, config: dict[str, Any] | None = None) -> None:
         if not torch.cuda.is_available():

@@ -115,6 +115,7 @@ def _as_frame(data: Any) -> codec.Frame:
 class MooncakeStoreConnector(OmniConnectorBase):
     """Mooncake-store-backed omni connector (put/get by key through the store's master)."""
 
+    TRANSPORT: ClassVar[str] = "mooncake_store"
     CONFIG_KEYS: ClassVar[frozenset[str]] = frozenset(
         "host metadata_server master proto rdma segment localbuf get_timeout_s "
         "connect_timeout_s remove_on_get replica_num".split()

@@ -120,6 +120,7 @@ def selftest() -> dict[str, Any]:
                     "ok": True,
                     "detail": f"NIXL/UCX {sender.agent_name} -> {receiver.agent_name}: "
                     "tensor + object",
+                    "transport": receiver.transport(),
                 }
             finally:
                 receiver.close()

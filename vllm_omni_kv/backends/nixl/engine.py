@@ -12,7 +12,11 @@ ranges and their memory types; a read of a range outside them fetches the
 metadata once more (the peer registered memory since) before it is refused. A
 read is one ``READ`` transfer (several ranges: one transfer of several
 descriptors) polled until done; past ``timeout_s`` it is aborted and raises
-:class:`KVTransferTimeout`. A failed transfer forgets the peer so the next read
+:class:`KVTransferTimeout`. A move of pages out of a registered cache
+(:meth:`NixlEngine.read_pages`) is one transfer too, made by index: each side's
+page tables are prepared once as a list of strided descriptors (one per layer; at most
+:data:`MAX_DLISTS` lists kept, a peer's released with it), so a move's host work is
+two index arrays and one post whatever its page count. A failed transfer forgets the peer so the next read
 handshakes again (a restarted sender has a new agent name anyway).
 """
 
@@ -20,12 +24,17 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
+from vllm_omni_kv.backends.pull.page_reads import PageReads, PageTable
 from vllm_omni_kv.backends.pull.side_channel import SideChannelClient
 from vllm_omni_kv.errors import BackendUnavailable, KVTransferError, KVTransferTimeout
 from vllm_omni_kv.logger import init_logger
@@ -40,6 +49,12 @@ MD_OP = "nixl_md"
 MAX_PEERS = 256
 #: the longest sleep between two polls of a running transfer (seconds)
 MAX_POLL_S = 0.001
+#: prepared descriptor lists kept at most (the least recently used one is released past it)
+MAX_DLISTS = 64
+#: ``prep_xfer_dlist``'s agent name for this agent's own memory (the local side)
+LOCAL_SIDE = "NIXL_INIT_AGENT"
+#: the largest descriptor index a prepared transfer takes (int32)
+_MAX_INDEX = 2**31 - 1
 
 
 def skip_unused_rdma_modules() -> bool:
@@ -107,6 +122,36 @@ def _kind(spans: list[Span], addr: int, n: int) -> tuple[str, int] | None:
     return None
 
 
+def device_read_warning(remote_memory: list[str], endpoint: str) -> str | None:
+    """Why a READ of ``remote_memory`` (``"VRAM:0"``...) from ``endpoint`` may run at TCP
+    speed, with what to do instead (None: no device memory, or another host)."""
+    host = endpoint.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
+    if not any(m.startswith("VRAM") for m in remote_memory) or not _this_host(host):
+        return None
+    return (
+        "reads of the peer's GPU memory on this host go by NIXL READ, which UCX has served "
+        "over TCP (0.45-0.56 GB/s on an H200, with UCX_TLS unset or cuda_ipc,cuda_copy,tcp); "
+        "on one host use backend 'cuda_ipc' (or 'shm'), or host pools (memory_pool_device: cpu)"
+    )
+
+
+def _this_host(host: str) -> bool:
+    """Whether ``host`` names this machine (loopback, or one of its own addresses)."""
+    if host in ("localhost", "::1") or host.startswith("127."):
+        return True
+    try:
+        return host in {a[4][0] for a in socket.getaddrinfo(socket.gethostname(), None)}
+    except OSError:
+        return False
+
+
+def _tables_kind(spans: list[Span], tables: tuple[PageTable, ...]) -> tuple[str, int] | None:
+    """The one memory type and device holding every table (None: not all registered, or
+    in memory of several kinds)."""
+    kinds = {_kind(spans, *t.extent) for t in tables}
+    return kinds.pop() if len(kinds) == 1 else None
+
+
 class _Peer:
     def __init__(self, name: str, spans: list[Span]) -> None:
         self.name, self.spans = name, spans
@@ -132,6 +177,7 @@ class NixlEngine:
         self.handshake_timeout_s = handshake_timeout_s
         self.handshake_retries = max(0, handshake_retries)
         self.mem_type, self.device_id = memory_of(device)  # the pool's
+        self.backends = list(backends)
         # several pull threads share the agent: RW mode lets transfers run side by side and
         # makes metadata changes (register, add/remove remote agents) exclusive
         conf = config_cls(
@@ -156,6 +202,10 @@ class NixlEngine:
         self._peers: OrderedDict[str, _Peer] = OrderedDict()
         self._lock = threading.Lock()
         self._session_locks: dict[str, threading.Lock] = {}
+        #: prepared descriptor lists: (agent, memory kind, page tables) -> handle
+        self._dlists: OrderedDict[tuple[str, tuple[str, int], tuple[PageTable, ...]], Any] = (
+            OrderedDict()
+        )
         self._client = SideChannelClient(handshake_timeout_s, auth=auth)
         self._closed = False
 
@@ -194,6 +244,8 @@ class NixlEngine:
         with self._lock:
             reg = self._regs.pop(addr, None)
         if reg is not None:
+            self._drop_dlists(LOCAL_SIDE)  # lists prepared over this agent's memory go first
+            self._drop_dlists(self.name)
             self.agent.deregister_memory(reg[0])
 
     # -- handshake -------------------------------------------------------------------
@@ -259,7 +311,31 @@ class NixlEngine:
             spans = [(int(a), int(n), str(m), int(d)) for a, n, m, d in reply.get("spans") or []]
         except (TypeError, ValueError):
             raise KVTransferError(f"NIXL metadata from {endpoint}: bad memory ranges") from None
+        self._record(name, endpoint, spans)
         return _Peer(name, spans)
+
+    def transport(self) -> str:
+        """NIXL's backends, and the UCX transports allowed (``UCX_TLS``) when UCX is one."""
+        tls = os.environ.get("UCX_TLS", "") if "UCX" in self.backends else ""
+        return "+".join(self.backends) + (f"[UCX_TLS={tls}]" if tls else "")
+
+    def _record(self, name: str, endpoint: str, spans: list[Span]) -> None:
+        """Log what a new peer's reads cross: its memory, ours, the transports allowed; warn
+        where device memory would be READ on one host (UCX serves that by TCP)."""
+        with self._lock:
+            ours = sorted({f"{m}:{d}" for _r, (_a, _n, m, d) in self._regs.values()})
+        theirs = sorted({f"{m}:{d}" for _a, _n, m, d in spans})
+        logger.info(
+            "NIXL peer %s at %s: its memory %s, this agent's %s, over %s",
+            name,
+            endpoint,
+            theirs or "none",
+            ours or "none",
+            self.transport(),
+        )
+        warning = device_read_warning(theirs, endpoint)
+        if warning:
+            logger.warning("NIXL peer %s at %s: %s", name, endpoint, warning)
 
     def forget(self, session: str) -> None:
         """Drop a peer (after a failed transfer); the next read handshakes again."""
@@ -272,6 +348,7 @@ class NixlEngine:
             self._unload(peer.name)
 
     def _unload(self, name: str) -> None:
+        self._drop_dlists(name)  # prepared over the memory the peer had registered
         if name == self.name:
             return
         try:
@@ -314,6 +391,80 @@ class NixlEngine:
         except KVTransferTimeout as e:
             raise KVTransferError(str(e)) from None
 
+    def read_pages(self, session: str, reads: PageReads) -> None:
+        """One move's pages from ``session`` as one transfer: each side's page tables are
+        a prepared list of strided descriptors (prepared once per peer and tables, kept
+        while the peer is), the move is posted by index. Raises like :meth:`read`."""
+        n = len(reads.remote_ids)
+        if not n:
+            return
+        try:
+            peer = self.handshake(session)
+            rkind = _tables_kind(peer.spans, reads.remote)
+            if rkind is None:  # the peer may have registered memory since we loaded it
+                peer = self.handshake(session, stale=peer)
+                rkind = _tables_kind(peer.spans, reads.remote)
+            with self._lock:
+                spans = [span for _reg, span in self._regs.values()]
+            lkind = _tables_kind(spans, reads.local) if spans else None
+            if rkind is None or lkind is None or n > _MAX_INDEX:  # mixed kinds, or unknown
+                self.read_many(session, reads.ranges())  # names the range it cannot read
+                return
+            remote = self._dlist(peer.name, rkind, reads.remote)
+            local = self._dlist(LOCAL_SIDE, lkind, reads.local)
+            r_ids = reads.remote_ids.astype(np.int32)
+            l_ids = reads.local_ids.astype(np.int32)
+
+            def make() -> Any:
+                with self._lock:  # no prepared list is released while a request is made
+                    return self.agent.make_prepped_xfer("READ", local, l_ids, remote, r_ids)
+
+            what = f"{n} pages, {lkind[0]} <- {rkind[0]}"
+            self._post(session, peer, make, reads.nbytes, what)
+        except KVTransferTimeout as e:
+            raise KVTransferError(str(e)) from None
+
+    def _dlist(self, agent: str, kind: tuple[str, int], tables: tuple[PageTable, ...]) -> Any:
+        """The prepared descriptor list of ``tables`` (one strided descriptor per table)
+        on ``agent``'s side (:data:`LOCAL_SIDE`: this agent's memory)."""
+        key = (agent, kind, tables)
+        with self._lock:
+            if key in self._dlists:
+                self._dlists.move_to_end(key)
+                return self._dlists[key]
+        rows = np.array([t.row(kind[1]) for t in tables], dtype=np.uint64)
+        try:
+            handle = self.agent.prep_xfer_dlist(agent, rows, kind[0])
+        except Exception as e:
+            raise KVTransferError(
+                f"NIXL could not prepare {len(tables)} page tables of {kind[0]} memory on "
+                f"{agent!r}: {e}"
+            ) from None
+        with self._lock:
+            if key in self._dlists:  # another thread prepared it meanwhile
+                drop: list[Any] = [handle]
+                handle = self._dlists[key]
+            else:
+                self._dlists[key] = handle
+                drop = []
+                while len(self._dlists) > MAX_DLISTS:
+                    drop.append(self._dlists.popitem(last=False)[1])
+            for h in drop:
+                self._release_dlist(h)
+        return handle
+
+    def _drop_dlists(self, agent: str) -> None:
+        """Release the prepared lists of ``agent``'s memory."""
+        with self._lock:
+            for key in [k for k in self._dlists if k[0] == agent]:
+                self._release_dlist(self._dlists.pop(key))
+
+    def _release_dlist(self, handle: Any) -> None:
+        try:
+            self.agent.release_dlist_handle(handle)
+        except Exception as e:
+            logger.debug("releasing a prepared NIXL descriptor list: %s", e)
+
     def _transfer(
         self,
         session: str,
@@ -323,15 +474,28 @@ class NixlEngine:
         reads: list[tuple[int, int, int, int, int]],
     ) -> None:
         agent = self.agent
-        total = sum(r[2] for r in reads)
-        try:
+
+        def make() -> Any:
             local = agent.get_xfer_descs([(a, n, ld) for a, _r, n, ld, _rd in reads], lmem)
             remote = agent.get_xfer_descs([(r, n, rd) for _a, r, n, _ld, rd in reads], rmem)
-            handle = agent.initialize_xfer("READ", local, remote, peer.name)
+            return agent.initialize_xfer("READ", local, remote, peer.name)
+
+        total = sum(r[2] for r in reads)
+        self._post(session, peer, make, total, f"{len(reads)} ranges, {lmem} <- {rmem}")
+
+    def _post(
+        self, session: str, peer: _Peer, make: Callable[[], Any], total: int, what: str
+    ) -> None:
+        """Make one transfer request, post it and wait for it; a failed one forgets the peer."""
+        agent = self.agent
+        try:
+            handle = make()
+        except KVTransferError:
+            raise
         except Exception as e:
             raise KVTransferError(
-                f"NIXL cannot read {total} bytes ({len(reads)} ranges, {lmem} <- {rmem}) from "
-                f"{peer.name}: {e} (the ranges are not in the registered memory)"
+                f"NIXL cannot read {total} bytes ({what}) from {peer.name}: {e} (the ranges "
+                "are not in the registered memory)"
             ) from None
         try:
             state = agent.transfer(handle)
@@ -384,6 +548,9 @@ class NixlEngine:
                 return
             self._closed = True
             peers, self._peers = list(self._peers.values()), OrderedDict()
+            dlists, self._dlists = list(self._dlists.values()), OrderedDict()
+        for h in dlists:
+            self._release_dlist(h)
         for p in peers:
             self._unload(p.name)
         for addr in list(self._regs):

@@ -57,6 +57,7 @@ from vllm_omni_kv.backends.pull.page_pull import PagePull
 from vllm_omni_kv.backends.pull.pull import PullTransferConnector
 from vllm_omni_kv.errors import ConfigError, KVPayloadError, KVTransferError
 from vllm_omni_kv.kvcache.cache_layout import KVLayoutId, page_view
+from vllm_omni_kv.kvcache.move_plan import MovePlan, Part
 from vllm_omni_kv.kvcache.shared_pages import PageCopy, attach_layers, layer_geometry
 from vllm_omni_kv.logger import init_logger
 
@@ -280,37 +281,35 @@ class TECacheRegion(CacheRegion):
         sums: list[list[int]] | None,
         first: int,
     ) -> int:
+        """One part pulled as one move (:meth:`copy_all`)."""
+        return self.copy_all(descriptor, [PageCopy(geometry, ident, caches, pairs, sums, first)])
+
+    def copy_all(self, descriptor: Any, copies: Sequence[PageCopy], wait: bool = False) -> int:
+        """Every part pulled as one move: one plan (bounds-checked against both caches
+        before any byte moves), one engine call where the local cache is registered here.
+        Returns once the pages are written."""
         session, base, size = self._remote(descriptor)
-        dtype = caches[0].dtype
         # the producer's layer views over a meta tensor of its region's size: geometry is
         # bounds-checked without touching memory, and gives every page's remote offset
-        src = attach_layers(
-            torch.empty(size, dtype=torch.uint8, device="meta"), geometry, ident, dtype
-        )
-        src_pages = [page_view(v, ident) for v in src]
-        dst_pages = [page_view(c, ident) for c in caches]
-        if not pairs:
+        region = torch.empty(size, dtype=torch.uint8, device="meta")
+        parts: list[Part] = []
+        direct = True
+        for c in copies:
+            if not c.pairs:
+                continue
+            src = attach_layers(region, c.geometry, c.ident, c.caches[0].dtype)
+            dst = [page_view(x, c.ident) for x in c.caches]
+            parts.append(([page_view(v, c.ident) for v in src], dst, c.pairs, c.sums, c.first))
+            direct = direct and self._registered_here(c.caches)
+        if not parts:
             return 0
-        s_ids, d_ids = [s for s, _ in pairs], [d for _, d in pairs]
-        n_src = min(int(p.shape[0]) for p in src_pages)
-        n_dst = min(int(p.shape[0]) for p in dst_pages)
-        if min(s_ids) < 0 or max(s_ids) >= n_src or min(d_ids) < 0 or max(d_ids) >= n_dst:
-            raise KVPayloadError(
-                f"shared-pages payload: source pages {min(s_ids)}..{max(s_ids)} of the "
-                f"producer's {n_src} or destination pages {min(d_ids)}..{max(d_ids)} of "
-                f"{n_dst} lie outside a cache (a corrupt payload)"
-            )
-        direct = self._registered_here(caches)
+        plan = MovePlan.stacked(parts, what="registered-cache payload")
         pull = PagePull(self.conn, session, time.monotonic() + self.conn.transfer_timeout_s)
         try:
-            return pull.run(base, src_pages, dst_pages, pairs, sums, first, direct)
+            return pull.run(plan, base, direct)
         except BaseException:
             pull.drain()  # a read abandoned on timeout may still write into our cache
             raise
-
-    def copy_all(self, descriptor: Any, copies: Sequence[PageCopy], wait: bool = False) -> int:
-        """Each part pulled in turn (:meth:`copy_into`, which returns once it is written)."""
-        return sum(self.copy_into(descriptor, *c) for c in copies)
 
     def _remote(self, descriptor: Any) -> tuple[str, int, int]:
         if not isinstance(descriptor, dict) or descriptor.get("kind") != self.kind:

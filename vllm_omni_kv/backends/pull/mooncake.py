@@ -45,6 +45,7 @@ Packages: ``pip install mooncake-transfer-engine`` (CUDA builds) or
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 from typing import Any, ClassVar
 
@@ -54,6 +55,10 @@ from vllm_omni_kv.errors import BackendUnavailable, KVTransferError
 from vllm_omni_kv.logger import init_logger
 
 logger = init_logger(__name__)
+
+#: ranges per batched engine read: the transfer engine refuses (-1) a batch of more (TCP,
+#: measured with 2048 and 2049 ranges of 8 KiB); a larger move is read in several batches
+MAX_BATCH_READS = 2048
 
 INSTALL_HINT = (
     "pip install mooncake-transfer-engine-non-cuda (CPU-only hosts) or "
@@ -82,6 +87,15 @@ def import_engine() -> Any:
             f"the Mooncake transfer engine is not importable ({e}); install it with: {INSTALL_HINT}"
         ) from e
     return TransferEngine
+
+
+def local_devices(engine: Any) -> list[str]:
+    """The devices (NICs, or ``cpu:N`` for TCP) in the engine's local topology."""
+    try:
+        topology = json.loads(engine.get_local_topology())
+    except Exception:  # older bindings, or a topology that is not JSON
+        return []
+    return sorted(str(k) for k in topology) if isinstance(topology, dict) else []
 
 
 class MooncakeEngine:
@@ -115,6 +129,17 @@ class MooncakeEngine:
             self.session = f"{host}:{self.engine.get_rpc_port()}"
         else:
             self.session = local_name
+        self.protocol, self.device_name = protocol, device_name
+        logger.info(
+            "Mooncake transfer engine %s: protocol %s, devices %s",
+            self.session,
+            protocol,
+            ", ".join(local_devices(self.engine)) or device_name or "auto",
+        )
+
+    def transport(self) -> str:
+        """The engine's protocol, and its devices where they were named."""
+        return f"{self.protocol}[{self.device_name}]" if self.device_name else self.protocol
 
     def register(self, addr: int, size: int) -> None:
         ret = self.engine.register_memory(addr, size)
@@ -134,6 +159,13 @@ class MooncakeEngine:
                 f"the installed Mooncake build ({', '.join(_dists()) or '?'}) cannot move "
                 f"{device} memory: install mooncake-transfer-engine (the CUDA build)"
             )
+        if not device.startswith("cpu") and self.protocol == "tcp":
+            logger.warning(
+                "Mooncake moves %s memory over TCP through host bounce buffers (a fraction of "
+                "the link): use protocol 'rdma' (GPUDirect) between hosts, or backend 'shm' "
+                "/ 'cuda_ipc' within one host",
+                device,
+            )
         self.register(addr, size)
 
     def unregister(self, addr: int) -> None:
@@ -148,14 +180,17 @@ class MooncakeEngine:
             )
 
     def read_many(self, session: str, reads: list[tuple[int, int, int]]) -> None:
-        """Several ``(local, remote, bytes)`` reads from ``session`` as one batch."""
-        local, remote, lengths = (list(x) for x in zip(*reads, strict=True))
-        ret = self.engine.batch_transfer_sync_read(session, local, remote, lengths)
-        if ret < 0:
-            raise KVTransferError(
-                f"Mooncake batch_transfer_sync_read of {len(reads)} ranges from {session} "
-                f"failed ({ret}): the sender is gone or its buffer is no longer registered"
-            )
+        """Several ``(local, remote, bytes)`` reads from ``session``: batches of at most
+        :data:`MAX_BATCH_READS` ranges (the engine refuses larger ones over TCP)."""
+        for i in range(0, len(reads), MAX_BATCH_READS):
+            batch = reads[i : i + MAX_BATCH_READS]
+            local, remote, lengths = (list(x) for x in zip(*batch, strict=True))
+            ret = self.engine.batch_transfer_sync_read(session, local, remote, lengths)
+            if ret < 0:
+                raise KVTransferError(
+                    f"Mooncake batch_transfer_sync_read of {len(batch)} ranges from {session} "
+                    f"failed ({ret}): the sender is gone or its buffer is no longer registered"
+                )
 
     def close(self) -> None:
         self.engine = None  # the binding has no explicit shutdown; dropping it stops its threads
@@ -214,6 +249,7 @@ def selftest() -> dict[str, Any]:
             return {
                 "ok": True,
                 "detail": f"tcp loopback via {conn.engine.session}: tensor + object",
+                "transport": conn.transport(),
             }
         finally:
             conn.close()

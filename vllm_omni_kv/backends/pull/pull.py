@@ -411,11 +411,17 @@ class PullTransferConnector(OmniConnectorBase):
         counts = self._exposed.counts()
         return int(counts.get("exposed_keys", 0)), int(counts.get("held_bytes", 0))
 
+    def transport(self) -> str:
+        """``<backend>:<engine path>`` (the engine's protocol, or its transports)."""
+        path = getattr(self.engine, "transport", None)  # optional on an EngineAdapter
+        return f"{self.backend_name}:{path()}" if path is not None else self.backend_name
+
     def health(self) -> dict[str, Any]:
         stats = self._stats.snapshot()
         out: dict[str, Any] = {
             "status": "closed" if self._closed else "healthy",
             "backend": self.backend_name,
+            "transport": self.transport(),
             "role": self.role,
             **self._exposed.counts(),
             **stats,

@@ -34,6 +34,7 @@ from typing import Any, Protocol
 import torch
 
 from vllm_omni_kv.backends.pool import ManagedBuffer
+from vllm_omni_kv.backends.pull.page_reads import PageReads
 from vllm_omni_kv.errors import KVTransferError, KVTransferTimeout
 from vllm_omni_kv.kvcache.device_order import bind_device, cuda_device_in_use
 from vllm_omni_kv.wire import codec
@@ -50,8 +51,11 @@ CANCEL_POLL_S = 0.001
 class EngineAdapter(Protocol):
     """The few engine operations the connector needs. Optional, where the engine has
     them: ``read_many(session, reads)`` (``(local, remote, bytes)`` reads as one batched
-    transfer) and ``register_device(addr, size, device)`` (memory of a torch device,
-    e.g. a CUDA KV cache; :mod:`.cache_region`)."""
+    transfer), ``read_pages(session, reads)`` (one move's
+    :class:`~.page_reads.PageReads` as one transfer by index into prepared descriptor
+    lists), ``register_device(addr, size, device)`` (memory of a torch device, e.g. a
+    CUDA KV cache; :mod:`.cache_region`) and ``transport()`` (what carries the reads: a
+    protocol, or transports, for logs and metrics)."""
 
     session: str  # "host:rpc_port" that peers pass as target_hostname
 
@@ -92,6 +96,21 @@ def _engine_read_many(
         return
     for local, remote, n in reads:
         engine.read(session, local, remote, n)
+
+
+def _engine_read_pages(
+    device: torch.device | None,
+    engine: EngineAdapter,
+    session: str,
+    reads: PageReads,
+    _keep: Any,
+) -> None:
+    bind_device(device)
+    pages = getattr(engine, "read_pages", None)  # prepared descriptor lists (NIXL)
+    if pages is not None:
+        pages(session, reads)
+    else:
+        _engine_read_many(device, engine, session, reads.ranges(), _keep)
 
 
 class Puller:
@@ -159,6 +178,20 @@ class Puller:
         n = sum(r[2] for r in reads)
         call = (_engine_read_many, self.read_device(), self.engine, session, reads, keep)
         self._bounded(call, session, n, deadline, None, what, None, track)
+
+    def read_pages(
+        self,
+        session: str,
+        reads: PageReads,
+        deadline: float,
+        *,
+        what: str,
+        keep: Any = None,
+        track: list[cf.Future[None]] | None = None,
+    ) -> None:
+        """One move's page reads from one session as one bounded transfer."""
+        call = (_engine_read_pages, self.read_device(), self.engine, session, reads, keep)
+        self._bounded(call, session, reads.nbytes, deadline, None, what, None, track)
 
     def _bounded(
         self,

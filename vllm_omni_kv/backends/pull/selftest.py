@@ -62,6 +62,7 @@ def cache_round_trip(
             producer = stack.enter_context(cls({**CACHE_SELFTEST, "role": "sender", **extra}))
             consumer = stack.enter_context(cls({**CACHE_SELFTEST, "role": "receiver", **extra}))
             verdict, released = pull_pages(producer, consumer, "cpu")
+            transport = consumer.transport()
     except Exception as e:
         return {"ok": False, "detail": f"{type(e).__name__}: {e}"}
     ms = (time.perf_counter() - t0) * 1e3
@@ -69,6 +70,7 @@ def cache_round_trip(
         "ok": verdict == "ok" and released,
         "detail": f"{len(IDS)} pages x {LAYERS} layers pulled from another connector's "
         f"registered cache ({verdict}; hold released={released}) in {ms:.0f} ms",
+        "transport": transport,
     }
 
 

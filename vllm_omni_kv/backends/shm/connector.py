@@ -92,6 +92,7 @@ class SharedMemoryConnector(OmniConnectorBase):
     Remote-transport metadata (``source_host``...) is ignored: lookups are by key.
     """
 
+    TRANSPORT: ClassVar[str] = "shm"
     CONFIG_KEYS: ClassVar[frozenset[str]] = frozenset(
         "shm_threshold_bytes namespace pool_max_bytes ttl_seconds verify stream populate "
         "heartbeat_stale_s share_cache verify_pages".split()

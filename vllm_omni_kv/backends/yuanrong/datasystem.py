@@ -49,6 +49,7 @@ def import_kv_client() -> tuple[Any, Any]:
 class YuanrongConnector(OmniConnectorBase):
     """Datasystem-based distributed connector (frames stored in a Yuanrong worker)."""
 
+    TRANSPORT: ClassVar[str] = "yuanrong"
     CONFIG_KEYS: ClassVar[frozenset[str]] = frozenset(
         "host port get_sub_timeout_ms ttl_second connect_timeout_ms write_mode".split()
     )

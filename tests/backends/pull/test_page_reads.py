@@ -1,0 +1,284 @@
+"""A move out of a registered cache is one engine post, whatever its page count.
+
+Engine-free part: :class:`PageReads` names exactly the bytes torch's own page views
+name (addresses from ``storage_offset`` / ``data_ptr``, not from the code under test).
+Engine part: a sender and a receiver connector with ``register_cache`` (real NIXL/UCX or
+Mooncake TCP on 127.0.0.1, both in this process) move 4, 64 and 1,024 shuffled pages per
+layer; the receiver's transport object is wrapped to count its calls. NIXL posts one
+transfer per move, made by index into two prepared lists (prepared on the first move
+only); Mooncake posts one batch per 2,048 ranges (its limit). The pages are compared
+with the sender's with ``torch.equal``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import random
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from vllm_omni_kv.backends.pull.page_reads import PageReads
+from vllm_omni_kv.kvcache.cache_layout import KVLayoutId, page_view
+from vllm_omni_kv.kvcache.move_plan import MovePlan, Pages
+from vllm_omni_kv.kvcache.shared_pages import describe_request, layer_geometry, shared_fields
+
+from ..conformance import nixl_config, pull_backend, te_config
+
+LAYERS, BLOCKS, HEADS, BS, DIM = 3, 1100, 2, 16, 32
+PAGE = HEADS * BS * 2 * DIM * 4  # fp32 K|V: 8 KiB
+LAYER_BYTES = BLOCKS * PAGE
+IDENT = KVLayoutId("k_v", "LBNHC", "float32", BS, BS, HEADS, DIM, 4)
+FROM, TO = "prefill", "decode"
+
+
+def _views(buf: torch.Tensor) -> list[torch.Tensor]:
+    """vLLM's per-layer [blocks, heads, bs, 2*dim] views (token-major inside a block)."""
+    out = []
+    for i in range(LAYERS):
+        flat = buf[i * LAYER_BYTES : (i + 1) * LAYER_BYTES].view(torch.float32)
+        out.append(flat.view(BLOCKS, BS, HEADS, 2 * DIM).transpose(1, 2))
+    return out
+
+
+def _pairs(n: int, seed: int) -> list[tuple[int, int]]:
+    rng = random.Random(seed)
+    return list(zip(rng.sample(range(BLOCKS), n), rng.sample(range(BLOCKS), n), strict=True))
+
+
+# -- PageReads against torch's own views ---------------------------------------------------
+
+
+def _expected(src: list[torch.Tensor], dst: list[torch.Tensor], base: int, groups: Any) -> Counter:
+    """Every page read as ``(local, remote, bytes)``, from the views' own offsets."""
+    want: Counter = Counter()
+    for layers, pairs in groups:
+        for i in layers:
+            sp, dp = page_view(src[i], IDENT), page_view(dst[i], IDENT)
+            per = math.prod(sp.shape[1:]) * sp.element_size()
+            for s, d in pairs:
+                remote = base + sp[s].storage_offset() * sp.element_size()
+                want[(dp[d].data_ptr(), remote, per)] += 1
+    return want
+
+
+def _pages_of(ranges: list[tuple[int, int, int]]) -> Counter:
+    """The ranges cut back into pages."""
+    got: Counter = Counter()
+    for local, remote, n in ranges:
+        assert n % PAGE == 0
+        for j in range(n // PAGE):
+            got[(local + j * PAGE, remote + j * PAGE, PAGE)] += 1
+    return got
+
+
+def _tables(reads: PageReads) -> Counter:
+    """The reads through the tables and indices (how a prepared list resolves them)."""
+
+    def expand(tables: Any) -> list[tuple[int, int]]:
+        return [(t.base + i * t.stride, t.page_bytes) for t in tables for i in range(t.count)]
+
+    remote, local = expand(reads.remote), expand(reads.local)
+    got: Counter = Counter()
+    for r, d in zip(reads.remote_ids.tolist(), reads.local_ids.tolist(), strict=True):
+        assert remote[r][1] == local[d][1]
+        got[(local[d][0], remote[r][0], remote[r][1])] += 1
+    return got
+
+
+@pytest.mark.parametrize("local_blocks", [BLOCKS, 40], ids=["same-size", "smaller-local"])
+def test_page_reads_name_the_bytes_of_the_views(local_blocks: int) -> None:
+    base = 1 << 40  # the producer's region, never touched (a meta tensor)
+    src = _views(torch.empty(LAYERS * LAYER_BYTES, dtype=torch.int8, device="meta"))
+    local_layer = local_blocks * PAGE
+    buf = torch.zeros(LAYERS * local_layer, dtype=torch.int8)
+    dst = [
+        buf[i * local_layer : (i + 1) * local_layer]
+        .view(torch.float32)
+        .view(local_blocks, BS, HEADS, 2 * DIM)
+        .transpose(1, 2)
+        for i in range(LAYERS)
+    ]
+    groups = [([0, 2], [(5, 1), (6, 2), (7, 3), (100, 0)]), ([1], [(9, 9), (1000, 39)])]
+    plan = MovePlan(
+        [page_view(v, IDENT) for v in src],
+        [page_view(v, IDENT) for v in dst],
+        [Pages(layers, pairs) for layers, pairs in groups],
+    )
+    reads = PageReads.of_plan(plan, base)
+    want = _expected(src, dst, base, groups)
+    assert _tables(reads) == want
+    ranges = reads.ranges()
+    assert _pages_of(ranges) == want
+    assert reads.nbytes == sum(n for _l, _r, n in ranges) == PAGE * 10
+    assert len(ranges) == 2 + 2 + 2  # (5,6,7)->(1,2,3) merged in layers 0 and 2
+
+
+# -- one post per move, on real engines -------------------------------------------------------
+
+
+class Counting:
+    """Delegates to ``inner``, counting calls by method name."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.calls = inner, Counter()
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.inner, name)
+        if not callable(attr):
+            return attr
+
+        def call(*a: Any, **kw: Any) -> Any:
+            self.calls[name] += 1
+            return attr(*a, **kw)
+
+        return call
+
+
+ENGINES = [
+    pytest.param(
+        "nixl",
+        marks=[
+            pytest.mark.nixl,
+            pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="no nixl"),
+        ],
+    ),
+    pytest.param(
+        "mooncake_te",
+        marks=[
+            pytest.mark.mooncake,
+            pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="no mooncake"),
+        ],
+    ),
+]
+CONFIG = {"mooncake_te": te_config, "nixl": nixl_config}
+
+
+class Pair:
+    """A sender and a receiver connector, each with a registered, vLLM-like cache."""
+
+    def __init__(self, engine: str) -> None:
+        cls = pull_backend(engine)[0]
+        self.sender = cls(CONFIG[engine]("sender", pool_mib=8, register_cache=True))
+        self.receiver = cls(CONFIG[engine]("receiver", pool_mib=8, register_cache=True))
+        info = self.sender.get_connection_info()
+        self.receiver.update_sender_info(info["host"], info["zmq_port"])
+        self.src_buf, self.src = self._cache(self.sender, seed=7)
+        self.dst_buf, self.dst = self._cache(self.receiver, seed=None)
+        got = self.sender.cache_region.export(self.src)
+        assert got is not None
+        self.desc, base, nbytes = got
+        self.geometry = layer_geometry(self.src, base, nbytes)
+
+    @staticmethod
+    def _cache(c: Any, seed: int | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        with c.cache_region.allocation_context():
+            buf = torch.zeros(LAYERS * LAYER_BYTES, dtype=torch.int8)
+        if seed is not None:
+            g = torch.Generator().manual_seed(seed)
+            buf.copy_(torch.randint(-128, 128, buf.shape, generator=g, dtype=torch.int8))
+        return buf, _views(buf)
+
+    def move(self, pairs: list[tuple[int, int]], calls: Counter) -> int:
+        """Publish the pages of ``pairs`` (with digests) and copy them as a load does;
+        ``calls`` is cleared once the payload's frame is read (it counts the copy)."""
+        key = f"req-{uuid.uuid4().hex[:8]}"
+        src_ids = [s for s, _ in pairs]
+        hold = self.sender.cache_region.hold(FROM, TO, key)
+        shared = {"region": self.desc, "hold": hold, "geometry": self.geometry}
+        data = describe_request(
+            key, src_ids, len(src_ids) * BS, self.src, IDENT, shared, digests=True
+        )
+        self.sender.put(FROM, TO, key, data)
+        stream = self.receiver.open_stream(FROM, TO, key)
+        assert stream is not None
+        with stream:
+            _meta, fields, ids = shared_fields(stream.obj)
+            region = self.receiver.cache_region
+            calls.clear()
+            with region.reading(fields["hold"]):
+                got = list(zip(ids, [d for _, d in pairs], strict=True))
+                return int(
+                    region.copy_into(
+                        fields["region"],
+                        fields["geometry"],
+                        IDENT,
+                        self.dst,
+                        got,
+                        fields["sums"],
+                        0,
+                    )
+                )
+
+    def close(self) -> None:
+        self.receiver.close()
+        self.sender.close()
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
+    p = Pair(request.param)
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def test_posts_per_move_do_not_grow_with_pages(pair: Pair) -> None:
+    engine = pair.receiver.engine
+    nixl = hasattr(engine, "agent")
+    inner = Counting(engine.agent if nixl else engine.engine)
+    if nixl:
+        engine.agent = inner
+    else:
+        engine.engine = inner
+    try:
+        counts = {}
+        for n in (4, 64, 1024):
+            pairs = _pairs(n, seed=n)
+            assert pair.move(pairs, inner.calls) == n * LAYERS * PAGE
+            for w, g in zip(pair.src, pair.dst, strict=True):
+                wp, gp = page_view(w, IDENT), page_view(g, IDENT)
+                s_ids, d_ids = [s for s, _ in pairs], [d for _, d in pairs]
+                assert torch.equal(gp[d_ids].view(torch.int32), wp[s_ids].view(torch.int32))
+            counts[n] = {k: v for k, v in inner.calls.items() if k != "check_xfer_state"}
+    finally:
+        if nixl:
+            engine.agent = inner.inner
+        else:
+            engine.engine = inner.inner
+    if nixl:
+        # the tables are prepared once (both sides, first move); then one request, one post
+        # (polls of its state aside)
+        assert counts[4].pop("prep_xfer_dlist") == 2
+        assert counts[4] == counts[64] == counts[1024] == {"make_prepped_xfer": 1, "transfer": 1}
+    else:  # one batch per 2,048 ranges: 3 layers x 1,024 shuffled pages need two
+        posts = {n: c["batch_transfer_sync_read"] for n, c in counts.items()}
+        assert posts == {4: 1, 64: 1, 1024: 2}, counts
+
+
+#: what each engine reports carried the reads (``UCX_TLS`` unset in tests)
+CARRIED_BY = {"nixl": "nixl:UCX", "mooncake_te": "mooncake_te:tcp"}
+
+
+def test_the_transport_is_on_record(pair: Pair, caplog: pytest.LogCaptureFixture) -> None:
+    """(After the count above: this one makes the receiver prepare its lists again.) Health and the load path name what carries the reads; NIXL logs, at a peer's
+    handshake, both sides' registered memory kinds and its transports."""
+    name = pair.receiver.backend_name
+    assert pair.receiver.transport() == CARRIED_BY[name]
+    assert pair.receiver.health()["transport"] == CARRIED_BY[name]
+    if name != "nixl":
+        return
+    import logging
+
+    pair.receiver.engine.forget(pair.sender.engine.session)  # the next read handshakes
+    with caplog.at_level(logging.INFO, logger="vllm_omni_kv.backends.nixl.engine"):
+        assert pair.move(_pairs(4, seed=1), Counter()) == 4 * LAYERS * PAGE
+    said = [r.getMessage() for r in caplog.records if "NIXL peer" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "its memory ['DRAM:0']" in said[0] and "over UCX" in said[0], said
