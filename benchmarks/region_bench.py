@@ -104,6 +104,15 @@ def _sync(device: str) -> None:
 
 
 def _consumer(name: str, ns: str, nblocks: int, device: str, peer: Any, conn: Any) -> None:
+    """The consumer process: its error goes back to the parent (which stops at once)."""
+    try:
+        _serve(name, ns, nblocks, device, peer, conn)
+    except Exception as e:
+        conn.send({"consumer_error": f"{type(e).__name__}: {e}"})
+        raise
+
+
+def _serve(name: str, ns: str, nblocks: int, device: str, peer: Any, conn: Any) -> None:
     backend = _backend(name, ns, role="receiver")
     if peer is not None:  # a transfer-engine producer: its side channel
         backend.update_sender_info(peer["host"], peer["zmq_port"])
@@ -184,10 +193,19 @@ def _raw_page_reads(engine: Any, peer: Any, mine: list[torch.Tensor], cmd: Any) 
 
 
 def _answer(conn: Any, proc: Any, timeout: float = 300.0) -> Any:
-    """The consumer's reply; an error (not a hang) when it died or went silent."""
-    if not conn.poll(timeout):
-        raise RuntimeError(f"the consumer process did not answer (exit code {proc.exitcode})")
-    return conn.recv()
+    """The consumer's reply; an error (not a hang) at once when it died, or after
+    ``timeout`` seconds of silence; the consumer's own error when it sent one."""
+    until = time.monotonic() + timeout
+    while not conn.poll(0.2):
+        if not proc.is_alive() or time.monotonic() > until:
+            raise RuntimeError(
+                f"the consumer process did not answer (exit code {proc.exitcode}; see its "
+                "traceback above)"
+            )
+    got = conn.recv()
+    if isinstance(got, dict) and "consumer_error" in got:
+        raise RuntimeError(f"the consumer failed: {got['consumer_error']}")
+    return got
 
 
 def measure(name: str, device: str, mib: int, repeats: int) -> dict[str, Any]:
@@ -214,6 +232,7 @@ def measure(name: str, device: str, mib: int, repeats: int) -> dict[str, Any]:
         peer = {**backend.get_connection_info(), "base": base}
     proc = ctx.Process(target=_consumer, args=(name, ns, nblocks, device, peer, child))
     proc.start()
+    child.close()  # the consumer's end lives in the consumer only
     try:
         moves: list[float] = []
         moved = 0
