@@ -108,9 +108,9 @@ def load_and_wait(consumer: Any, load: Any, timeout: float = 20.0) -> Any:
 
 
 @contextlib.contextmanager
-def shm_namespace(prefix: str) -> Iterator[str]:
-    """A fresh shared-memory namespace; on exit, every file left in it is removed and the
-    test fails naming them."""
+def shm_namespace(prefix: str, strict: bool = True) -> Iterator[str]:
+    """A fresh shared-memory namespace; on exit, every file left in it is removed and,
+    when ``strict``, the test fails naming them."""
     from vllm_omni_kv.backends.shm import arena
 
     ns = f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -118,7 +118,7 @@ def shm_namespace(prefix: str) -> Iterator[str]:
     left = arena.namespace_files(ns)
     for n in left:
         arena.unlink_quiet(n)
-    assert not left, f"left in /dev/shm: {sorted(left)}"
+    assert not (strict and left), f"left in /dev/shm: {sorted(left)}"
 
 
 class ShmRegions:
@@ -146,3 +146,18 @@ class ShmRegions:
         self.region.close()
         self.reader_arena.close()
         self.arena.close()
+
+
+def lbnhc_views(
+    buf: torch.Tensor, layers: int, blocks: int, heads: int, bs: int, dim: int
+) -> list[torch.Tensor]:
+    """vLLM's per-layer fp32 ``[blocks, heads, bs, 2*dim]`` views of one flat ``int8``
+    allocation (token-major inside a block, K|V per token), layer after layer."""
+    per = blocks * heads * bs * 2 * dim * 4
+    return [
+        buf[i * per : (i + 1) * per]
+        .view(torch.float32)
+        .view(blocks, bs, heads, 2 * dim)
+        .transpose(1, 2)
+        for i in range(layers)
+    ]

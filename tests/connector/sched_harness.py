@@ -33,8 +33,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from copy import copy
 from pathlib import Path
 from typing import Any
@@ -48,7 +47,6 @@ from vllm.config import (
     SchedulerConfig,
     VllmConfig,
 )
-from vllm.distributed.kv_transfer import kv_transfer_state
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.forward_context import set_forward_context
@@ -71,6 +69,7 @@ from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
 from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 
 from vllm_omni_kv.connector.omni_kv_connector import OmniKVConnector
+from vllm_omni_kv.testing.kv_agent import kv_agent as agent
 from vllm_omni_kv.testing.v2_calls import V2SpecCallsOmniKVConnector
 
 TOKEN = 7  # what the emulated model samples
@@ -142,17 +141,6 @@ def _config(model_dir: Path, role: str, ns: str, extra: dict[str, Any], nblocks:
     )
     cfg.cache_config.num_gpu_blocks = nblocks
     return cfg
-
-
-@contextmanager
-def agent(connector: OmniKVConnector) -> Iterator[None]:
-    """``connector`` as the process's KV transfer group (what vLLM's worker sets up)."""
-    before = kv_transfer_state._KV_CONNECTOR_AGENT
-    kv_transfer_state._KV_CONNECTOR_AGENT = connector
-    try:
-        yield
-    finally:
-        kv_transfer_state._KV_CONNECTOR_AGENT = before
 
 
 class Engine:

@@ -7,8 +7,6 @@ with a speculator (saves after the step's results and the draft model)."""
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -20,6 +18,7 @@ from vllm.forward_context import get_forward_context, set_forward_context  # noq
 
 from vllm_omni_kv.connector.metadata import OmniKVConnectorMetadata  # noqa: E402
 from vllm_omni_kv.connector.omni_kv_connector import OmniKVConnector  # noqa: E402
+from vllm_omni_kv.testing.kv_agent import kv_agent  # noqa: E402
 from vllm_omni_kv.testing.v2_calls import (  # noqa: E402
     V2CallsOmniKVConnector,
     V2SpecCallsOmniKVConnector,
@@ -88,18 +87,6 @@ def _recording(monkeypatch: pytest.MonkeyPatch, cls: type[OmniKVConnector]) -> A
     return conn
 
 
-@contextmanager
-def _agent(conn: OmniKVConnector) -> Iterator[None]:
-    from vllm.distributed.kv_transfer import kv_transfer_state
-
-    before = kv_transfer_state._KV_CONNECTOR_AGENT
-    kv_transfer_state._KV_CONNECTOR_AGENT = conn
-    try:
-        yield
-    finally:
-        kv_transfer_state._KV_CONNECTOR_AGENT = before
-
-
 def _empty_output() -> Any:
     from vllm.v1.core.sched.output import SchedulerOutput
 
@@ -115,7 +102,7 @@ def _v1_step(conn: OmniKVConnector, *, defer: bool) -> list[tuple[str, bool]]:
 
     mixin = KVConnectorModelRunnerMixin
     so = _empty_output()
-    with _agent(conn), set_forward_context({"layer": "metadata"}, conn._vllm_config):
+    with kv_agent(conn), set_forward_context({"layer": "metadata"}, conn._vllm_config):
         with mixin.maybe_get_kv_connector_output(so, defer_finalize=defer):
             pass  # the forward
         conn.calls.append(("draft", conn.has_connector_metadata()))
@@ -158,7 +145,7 @@ def test_the_speculator_order_defers_saves_past_the_results(
         conn = _recording(monkeypatch, OmniKVConnector)  # vLLM >= 0.33: V2's own order
         for hook in ("register_kv_caches", "handle_preemptions"):
             monkeypatch.setattr(OmniKVConnector, hook, lambda self, arg: None)
-        with _agent(conn):
+        with kv_agent(conn):
             active = ActiveKVConnector(conn._vllm_config, {})
             active.pre_forward(_empty_output())
             active.finish_forward()

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+from _kv_fixtures import lbnhc_views
 
 from vllm_omni_kv.backends.pull.page_reads import PageReads
 from vllm_omni_kv.kvcache.cache_layout import KVLayoutId, page_view
@@ -38,12 +39,7 @@ FROM, TO = "prefill", "decode"
 
 
 def _views(buf: torch.Tensor) -> list[torch.Tensor]:
-    """vLLM's per-layer [blocks, heads, bs, 2*dim] views (token-major inside a block)."""
-    out = []
-    for i in range(LAYERS):
-        flat = buf[i * LAYER_BYTES : (i + 1) * LAYER_BYTES].view(torch.float32)
-        out.append(flat.view(BLOCKS, BS, HEADS, 2 * DIM).transpose(1, 2))
-    return out
+    return lbnhc_views(buf, LAYERS, BLOCKS, HEADS, BS, DIM)
 
 
 def _pairs(n: int, seed: int) -> list[tuple[int, int]]:
@@ -95,15 +91,8 @@ def _tables(reads: PageReads) -> Counter:
 def test_page_reads_name_the_bytes_of_the_views(local_blocks: int) -> None:
     base = 1 << 40  # the producer's region, never touched (a meta tensor)
     src = _views(torch.empty(LAYERS * LAYER_BYTES, dtype=torch.int8, device="meta"))
-    local_layer = local_blocks * PAGE
-    buf = torch.zeros(LAYERS * local_layer, dtype=torch.int8)
-    dst = [
-        buf[i * local_layer : (i + 1) * local_layer]
-        .view(torch.float32)
-        .view(local_blocks, BS, HEADS, 2 * DIM)
-        .transpose(1, 2)
-        for i in range(LAYERS)
-    ]
+    buf = torch.zeros(LAYERS * local_blocks * PAGE, dtype=torch.int8)
+    dst = lbnhc_views(buf, LAYERS, local_blocks, HEADS, BS, DIM)
     groups = [([0, 2], [(5, 1), (6, 2), (7, 3), (100, 0)]), ([1], [(9, 9), (1000, 39)])]
     plan = MovePlan(
         [page_view(v, IDENT) for v in src],

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+from _kv_fixtures import lbnhc_views
 
 from vllm_omni_kv.errors import KVPayloadError, KVTransferError
 from vllm_omni_kv.kvcache.cache_layout import KVLayoutId, page_view
@@ -67,12 +68,7 @@ def _fill(seed: int) -> torch.Tensor:
 
 
 def _views(buf: torch.Tensor) -> list[torch.Tensor]:
-    """vLLM's per-layer [blocks, heads, bs, 2*dim] views (token-major inside a block)."""
-    out = []
-    for i in range(LAYERS):
-        flat = buf[i * LAYER_BYTES : (i + 1) * LAYER_BYTES].view(torch.float32)
-        out.append(flat.view(BLOCKS, BS, HEADS, 2 * DIM).transpose(1, 2))
-    return out
+    return lbnhc_views(buf, LAYERS, BLOCKS, HEADS, BS, DIM)
 
 
 def producer_main(conn: Connection, backend: str, cfg: dict[str, Any]) -> None:

@@ -11,7 +11,6 @@ import re
 import stat
 import subprocess
 import time
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -46,16 +45,6 @@ def _sha(t: torch.Tensor) -> str:
 def _recv(conn: Any, timeout: float = 60.0) -> Any:
     assert conn.poll(timeout), "child process did not answer"
     return conn.recv()
-
-
-@pytest.fixture
-def ns() -> Iterator[str]:
-    name = f"cr-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    yield name
-    left = arena.namespace_files(name)
-    for n in left:
-        arena.unlink_quiet(n)
-    assert not left, f"left in /dev/shm: {sorted(left)}"
 
 
 @pytest.fixture

@@ -13,8 +13,6 @@ import signal
 import subprocess
 import sys
 import threading
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,16 +40,6 @@ def _payload(seed: int, rows: int = 300) -> KVCacheTransferData:
 
 def _file_bytes(ns: str) -> int:
     return sum(os.stat(arena.path(n)).st_size for n in arena.namespace_files(ns))
-
-
-@pytest.fixture
-def ns() -> Iterator[str]:
-    name = f"inv-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    yield name
-    left = arena.namespace_files(name)
-    for n in left:
-        arena.unlink_quiet(n)
-    assert not left, f"left in /dev/shm: {sorted(left)}"
 
 
 def test_a_published_payload_counts_until_it_is_claimed(ns: str) -> None:

@@ -13,11 +13,9 @@ import hashlib
 import os
 import signal
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-import pytest
 import torch
 from _mp import CTX
 from _planted import dead_pid, plant_segment
@@ -47,16 +45,6 @@ def _sha(t: torch.Tensor) -> str:
 
 def _mine(ns: str, names: list[str]) -> set[str]:
     return {n for n in names if f"_{arena.namespace_tag(ns)}_" in n}
-
-
-@pytest.fixture
-def ns() -> Iterator[str]:
-    name = f"pause-{os.getpid()}-{time.monotonic_ns() % 10**9}"
-    yield name
-    left = arena.namespace_files(name)
-    for n in left:
-        arena.unlink_quiet(n)
-    assert not left, f"left in /dev/shm: {sorted(left)}"
 
 
 def _producer(ns: str, conn: Any) -> None:

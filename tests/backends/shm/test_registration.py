@@ -14,8 +14,6 @@ kernel had the range mapped); the ``gpu`` tests check real registrations.
 
 from __future__ import annotations
 
-import os
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -49,12 +47,8 @@ def _log(rec: RecordingPinOps) -> list[tuple[str, int]]:
     return [(c.op, c.ptr) for c in rec.calls]
 
 
-@pytest.fixture
-def ns() -> Iterator[str]:
-    name = f"pytest-pin-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    yield name
-    for f in arena.namespace_files(name):
-        arena.unlink_quiet(f)
+#: the ``ns`` fixture (tests/backends/conftest.py) lets files be left: they are planted
+NS_MAY_LEAVE_FILES = True
 
 
 def _address(mm: Any) -> int:

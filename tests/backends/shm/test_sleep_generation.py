@@ -11,8 +11,6 @@ producers' caches.
 
 from __future__ import annotations
 
-import os
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,16 +32,6 @@ def _reference(seed: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     shape = (BLOCKS, HEADS, BS, 2 * DIM)
     return [torch.randn(shape, generator=g).to(torch.bfloat16) for _ in range(LAYERS)]
-
-
-@pytest.fixture
-def ns() -> Iterator[str]:
-    name = f"sleep-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    yield name
-    left = arena.namespace_files(name)
-    for n in left:
-        arena.unlink_quiet(n)
-    assert not left, f"left in /dev/shm: {sorted(left)}"
 
 
 class Pair:
