@@ -235,3 +235,31 @@ def test_token_major_inject_costs_the_same_at_any_page_count() -> None:
             untouched = sorted(set(range(ENGINE.num_blocks)) - set(dst_ids))
             assert not d[:, untouched].any(), "a block outside the request was written"
     assert seen[4] == seen[64] == seen[1024]
+
+
+def test_a_converting_injection_builds_its_ids_once() -> None:
+    """Pages of another layout (NHD payload into an HND cache) are converted token by
+    token, layer by layer: the block ids go to the device once for the move, not once
+    per layer; the tokens land where vLLM's HND cache keeps them."""
+    hnd = EmulatedEngine(**{**ENGINE.__dict__, "layout": "LBHNC"})
+    facts = EngineLayout(block_size=BLOCK, layout="LBHNC", backend="FLASH_ATTN")
+    for n in SIZES:
+        src, ids, wire = _payload(n)
+        dst = list(build_caches(hnd).values())
+        for c in dst:
+            c.zero_()
+        dst_ids = _ids(n, seed=997)
+        ident = facts.identity(dst[0])
+        assert not ident.same_pages(_identity(src[0])), "the test needs a conversion"
+        fake = RecordingStreams()
+        with device_order.installed("cpu", fake), device_writes(torch.device("cpu")):
+            plan = plan_block_injection(wire, dst, dst_ids, layout=ident)
+            assert plan.apply(CompleteStream(wire, 0), deadline=float("inf")) == n * BLOCK
+        (side,) = fake.side_streams()
+        assert len(fake.queued(side, "tensor")) <= 1, "block ids built per layer"
+        for s, d in zip(src, dst, strict=True):  # same logical [block, head, token, K|V]
+            assert d.stride() != s.stride()
+            for b, db in zip(ids, dst_ids, strict=True):
+                assert torch.equal(
+                    d[db].contiguous().view(torch.int16), s[b].contiguous().view(torch.int16)
+                )

@@ -14,10 +14,15 @@ from vllm_omni_kv.kvcache.cache_layout import (
 
 
 def convert_pages(
-    src: torch.Tensor, src_id: KVLayoutId, cache: torch.Tensor, dst_id: KVLayoutId, ids: list[int]
+    src: torch.Tensor,
+    src_id: KVLayoutId,
+    cache: torch.Tensor,
+    dst_id: KVLayoutId,
+    ids: list[int] | torch.Tensor,
 ) -> None:
     """Write pages ``src`` (of layout ``src_id``) into blocks ``ids`` of ``cache`` token by
-    token, on the cache's device (the identities must be convertible)."""
+    token, on the cache's device (the identities must be convertible); ``ids`` may be an
+    index already on that device (no upload here)."""
     n = src.shape[0]
     if n == 0:
         return
@@ -25,7 +30,7 @@ def convert_pages(
     sk, sv = block_token_views(logical, src_id)
     dk, dv = block_token_views(cache, dst_id)
     shape = (n, dst_id.ratio, dst_id.kernel_block_size, *dk.shape[3:])
-    idx = torch.tensor(ids, dtype=torch.long, device=cache.device)
+    idx = ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, device=cache.device)
     for s, d in ((sk, dk), (sv, dv)):
         if s is None or d is None:
             continue

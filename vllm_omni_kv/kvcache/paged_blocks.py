@@ -194,6 +194,18 @@ class BlocksPlan:
         self.copies = copies
         self.src_layout, self.dst_layout = src, dst
         self.raw = dst.same_pages(src)
+        self._ids: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+
+    def index(self, ids: list[int], device: torch.device) -> torch.Tensor:
+        """``ids`` as an index on ``device``: built once per plan for each list of ids
+        (layers share one), uploaded from pinned memory without a host wait on CUDA."""
+        key = (str(device), tuple(ids))
+        if key not in self._ids:
+            host = torch.tensor(ids, dtype=torch.long)
+            if device.type == "cuda":
+                host = host.pin_memory()
+            self._ids[key] = host.to(device, non_blocking=True)  # kept: the upload reads it
+        return self._ids[key]
 
     def spans(self, frame_address: int | None) -> list[Span] | None:
         """The frame bytes the plan reads (None: the whole frame, when not one local frame)."""
@@ -250,10 +262,11 @@ class BlocksPlan:
             # same bytes, possibly another page shape: with one KV head an HNC page and
             # an NHC page differ only in where the size-1 head axis sits
             src = c.src.reshape(c.src.shape[0], *self.dst_layout.page_shape)
-            idx = torch.tensor(c.ids, dtype=torch.long, device=pv.device)
+            idx = self.index(c.ids, pv.device)
             bits(pv).index_copy_(0, idx, bits(src).to(pv.device, non_blocking=True))
         else:
-            convert_pages(c.src, self.src_layout, c.cache, self.dst_layout, c.ids)
+            idx = self.index(c.ids, c.cache.device)
+            convert_pages(c.src, self.src_layout, c.cache, self.dst_layout, idx)
 
     def _tasks(self, frame_address: int | None) -> list[_Task]:
         """One task per copy, in frame order.
