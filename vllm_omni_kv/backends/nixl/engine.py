@@ -53,7 +53,7 @@ MAX_POLL_S = 0.001
 MAX_DLISTS = 64
 #: ``prep_xfer_dlist``'s agent name for this agent's own memory (the local side)
 LOCAL_SIDE = "NIXL_INIT_AGENT"
-#: the largest descriptor index a prepared transfer takes (int32)
+#: the most descriptors a prepared list may hold (its indices are int32)
 _MAX_INDEX = 2**31 - 1
 
 
@@ -407,7 +407,8 @@ class NixlEngine:
             with self._lock:
                 spans = [span for _reg, span in self._regs.values()]
             lkind = _tables_kind(spans, reads.local) if spans else None
-            if rkind is None or lkind is None or n > _MAX_INDEX:  # mixed kinds, or unknown
+            pages = max(sum(t.count for t in reads.remote), sum(t.count for t in reads.local))
+            if rkind is None or lkind is None or pages > _MAX_INDEX:  # mixed kinds, or unknown
                 self.read_many(session, reads.ranges())  # names the range it cannot read
                 return
             remote = self._dlist(peer.name, rkind, reads.remote)
