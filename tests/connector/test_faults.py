@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import gc
 import json
+import signal
 import subprocess
 import sys
 import threading
@@ -185,8 +186,11 @@ def test_producer_killed_mid_pull_recomputes(fx: Fixture, te: TE) -> None:
     prompts = fx.groups["kill"]
     params = prefill(te.prod, prompts)
     assert all(p["remote_port"] == te.port for p in params), params
+    # frozen first: the pulls the consumer starts stay in flight until the kill (unfrozen,
+    # a dozen loads of a few ms each could all end before a poll here saw them start)
+    kill_group(te.prod.proc.pid, signal.SIGSTOP)
     job = Background(lambda: te.cons.generate(prompts, 16, params, timeout=RECV_TIMEOUT + 300))
-    # the consumer's first acquire opens its side-channel connection: pulls start now
+    # the consumer's first acquire opens its side-channel connection: a pull has started
     deadline = time.monotonic() + 120
     while not tcp_connected(te.port) and time.monotonic() < deadline and job.thread.is_alive():
         time.sleep(0.002)

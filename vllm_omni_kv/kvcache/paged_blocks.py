@@ -56,7 +56,7 @@ from vllm_omni_kv.kvcache.page_gather import (
 from vllm_omni_kv.kvcache.page_scatter import PageCopy, apply_scatter, scatter_all
 from vllm_omni_kv.wire.codec import LazyTensor
 from vllm_omni_kv.wire.payload import KVCacheTransferData
-from vllm_omni_kv.wire.stream import CopyOut, PayloadStream, Span
+from vllm_omni_kv.wire.stream import CopyOut, PayloadStream, Span, merge_spans
 
 KV_BLOCKS = "kv_blocks"
 #: a ``layout`` argument: an identity, None (read from the tensor) or "cpu" (vLLM's CPU backend)
@@ -152,19 +152,6 @@ def _block_layers(data: dict[str, Any]) -> tuple[PayloadMeta, KVLayoutId, list[A
     if meta.format != PAGED_BLOCKS or not isinstance(layers, list) or meta.kv_layout is None:
         raise KVPayloadError("not a paged-blocks payload (no kv_blocks list)")
     return meta, meta.kv_layout, layers
-
-
-def merge_spans(spans: Sequence[Span]) -> list[Span]:
-    """Sorted spans with touching or overlapping ones merged."""
-    out: list[Span] = []
-    for a, b in sorted(spans):
-        if b <= a:
-            continue
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        else:
-            out.append((a, b))
-    return out
 
 
 @dataclass

@@ -26,9 +26,9 @@ import torch
 
 from vllm_omni_kv.errors import ConfigError, KVPayloadError
 from vllm_omni_kv.kvcache.page_gather import addressable, iter_gather_pages
-from vllm_omni_kv.kvcache.paged_blocks import BlocksPlan, merge_spans
+from vllm_omni_kv.kvcache.paged_blocks import BlocksPlan
 from vllm_omni_kv.wire.codec import LazyTensor
-from vllm_omni_kv.wire.stream import Span
+from vllm_omni_kv.wire.stream import Span, merge_spans
 
 STATE_PAGES = "state_pages"
 STATE_LAYOUTS = "state_layouts"

@@ -189,6 +189,19 @@ def _copy_spans(copies: Sequence[CopyOut]) -> list[Span]:
     return spans
 
 
+def merge_spans(spans: Sequence[Span]) -> list[Span]:
+    """Sorted spans with touching or overlapping ones merged."""
+    out: list[Span] = []
+    for a, b in sorted(spans):
+        if b <= a:
+            continue
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
 def tensor_span(stream: PayloadStream, t: torch.Tensor) -> Span:
     """The frame bytes of ``t``, a contiguous view into ``stream.obj`` (e.g. ``k[first:last]``
     for a block range of a contiguous tensor ``k``), as a span for ``load``."""

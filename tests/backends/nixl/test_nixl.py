@@ -317,7 +317,7 @@ def test_a_device_read_on_this_host_is_a_warning_with_what_to_use() -> None:
     """NIXL READs of another process's GPU memory on one host ran over TCP on the H200
     (0.45-0.56 GB/s): the handshake warns and names the alternatives; host memory, or a
     peer on another host, is no warning."""
-    from vllm_omni_kv.backends.nixl.engine import device_read_warning
+    from vllm_omni_kv.backends.nixl.memory import device_read_warning
 
     warned = device_read_warning(["DRAM:0", "VRAM:1"], "tcp://127.0.0.1:5555")
     assert warned is not None and "cuda_ipc" in warned and "memory_pool_device: cpu" in warned

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from vllm_omni_kv.backends.pool import MemoryPool
-from vllm_omni_kv.backends.pull.pull_stream import Lease, Puller, RawPullStream
+from vllm_omni_kv.backends.pull.pull_stream import Lease, RawPullStream
+from vllm_omni_kv.backends.pull.puller import Puller
 from vllm_omni_kv.backends.pull.staging import stage_in_pool
 from vllm_omni_kv.errors import KVPayloadError
 from vllm_omni_kv.kvcache import device_order

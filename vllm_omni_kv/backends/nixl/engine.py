@@ -15,16 +15,14 @@ descriptors) polled until done; past ``timeout_s`` it is aborted and raises
 :class:`KVTransferTimeout`. A move of pages out of a registered cache
 (:meth:`NixlEngine.read_pages`) is one transfer too, made by index: each side's
 page tables are prepared once as a list of strided descriptors (one per layer; at most
-:data:`MAX_DLISTS` lists kept, a peer's released with it), so a move's host work is
+:mod:`.prepared_lists`; a peer's released with it), so a move's host work is
 two index arrays and one post whatever its page count. A failed transfer forgets the peer so the next read
 handshakes again (a restarted sender has a new agent name anyway).
 """
 
 from __future__ import annotations
 
-import logging
 import os
-import socket
 import threading
 import time
 import uuid
@@ -34,7 +32,16 @@ from typing import Any
 
 import numpy as np
 
-from vllm_omni_kv.backends.pull.page_reads import PageReads, PageTable
+from vllm_omni_kv.backends.nixl.loader import import_nixl
+from vllm_omni_kv.backends.nixl.memory import (
+    Span,
+    device_read_warning,
+    kind_of,
+    memory_of,
+    tables_kind,
+)
+from vllm_omni_kv.backends.nixl.prepared_lists import LOCAL_SIDE, PreparedLists
+from vllm_omni_kv.backends.pull.page_reads import PageReads
 from vllm_omni_kv.backends.pull.side_channel import SideChannelClient
 from vllm_omni_kv.errors import BackendUnavailable, KVTransferError, KVTransferTimeout
 from vllm_omni_kv.logger import init_logger
@@ -42,55 +49,14 @@ from vllm_omni_kv.wire.auth import AuthKey
 
 logger = init_logger(__name__)
 
-INSTALL_HINT = "pip install 'vllm-omni-kv[nixl]' (or: pip install nixl)"
 #: the side-channel op that returns this agent's metadata
 MD_OP = "nixl_md"
 #: remote agents kept loaded at most (the least recently used one is removed past it)
 MAX_PEERS = 256
 #: the longest sleep between two polls of a running transfer (seconds)
 MAX_POLL_S = 0.001
-#: prepared descriptor lists kept at most (the least recently used one is released past it)
-MAX_DLISTS = 64
-#: ``prep_xfer_dlist``'s agent name for this agent's own memory (the local side)
-LOCAL_SIDE = "NIXL_INIT_AGENT"
 #: the most descriptors a prepared list may hold (its indices are int32)
 _MAX_INDEX = 2**31 - 1
-
-
-def skip_unused_rdma_modules() -> bool:
-    """On a host without RDMA devices, keep UCX from loading its InfiniBand modules.
-
-    NIXL's wheel bundles its own libibverbs / libnl; with the system's rdma-core also
-    installed (Mooncake needs ``libibverbs1``) both copies of ``libnl-route`` get loaded
-    and the process segfaults in their destructors at exit. The modules serve nothing
-    without a device, so unless ``UCX_MODULES`` is set, ``^ib,rdmacm`` is set for this
-    process (before its first agent starts). True when it was set here.
-    """
-    if os.environ.get("UCX_MODULES") or os.path.isdir("/sys/class/infiniband"):
-        return False
-    os.environ["UCX_MODULES"] = "^ib,rdmacm"
-    return True
-
-
-def import_nixl() -> tuple[Any, Any, Any]:
-    """``(nixl_agent, nixl_agent_config, nixl_thread_sync_t)``, or ``BackendUnavailable``.
-
-    NIXL logs each agent's start at INFO on stdout; unless ``NIXL_LOG_LEVEL`` says
-    otherwise, only its warnings are shown (stdout may carry JSON, e.g. ``doctor --json``).
-    """
-    try:
-        from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
-    except ImportError:
-        try:  # the CUDA-12 build installed without the ``nixl`` meta package
-            from nixl_cu12._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
-        except ImportError as e:
-            raise BackendUnavailable(
-                f"NIXL is not importable ({e}); install it with: {INSTALL_HINT}"
-            ) from e
-    skip_unused_rdma_modules()
-    if not os.environ.get("NIXL_LOG_LEVEL"):
-        logging.getLogger("nixl").setLevel(logging.WARNING)
-    return nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
 
 def parse_session(session: str) -> tuple[str, str]:
@@ -102,54 +68,6 @@ def parse_session(session: str) -> tuple[str, str]:
             "is not a nixl backend, or its put metadata was altered"
         )
     return name, f"tcp://{hostport}"
-
-
-#: a registered range: ``(address, bytes, memory type, device id)``
-Span = tuple[int, int, str, int]
-
-
-def memory_of(device: str) -> tuple[str, int]:
-    """NIXL's ``(memory type, device id)`` of a torch device string (``cpu``, ``cuda:N``)."""
-    dev = device.split(":")
-    return ("VRAM" if dev[0] == "cuda" else "DRAM"), (int(dev[1]) if len(dev) > 1 and dev[1] else 0)
-
-
-def _kind(spans: list[Span], addr: int, n: int) -> tuple[str, int] | None:
-    """The memory type and device of the registered range holding ``[addr, addr+n)``."""
-    for base, size, mem, dev in spans:
-        if base <= addr and addr + n <= base + size:
-            return mem, dev
-    return None
-
-
-def device_read_warning(remote_memory: list[str], endpoint: str) -> str | None:
-    """Why a READ of ``remote_memory`` (``"VRAM:0"``...) from ``endpoint`` may run at TCP
-    speed, with what to do instead (None: no device memory, or another host)."""
-    host = endpoint.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
-    if not any(m.startswith("VRAM") for m in remote_memory) or not _this_host(host):
-        return None
-    return (
-        "reads of the peer's GPU memory on this host go by NIXL READ, which UCX has served "
-        "over TCP (0.45-0.56 GB/s on an H200, with UCX_TLS unset or cuda_ipc,cuda_copy,tcp); "
-        "on one host use backend 'cuda_ipc' (or 'shm'), or host pools (memory_pool_device: cpu)"
-    )
-
-
-def _this_host(host: str) -> bool:
-    """Whether ``host`` names this machine (loopback, or one of its own addresses)."""
-    if host in ("localhost", "::1") or host.startswith("127."):
-        return True
-    try:
-        return host in {a[4][0] for a in socket.getaddrinfo(socket.gethostname(), None)}
-    except OSError:
-        return False
-
-
-def _tables_kind(spans: list[Span], tables: tuple[PageTable, ...]) -> tuple[str, int] | None:
-    """The one memory type and device holding every table (None: not all registered, or
-    in memory of several kinds)."""
-    kinds = {_kind(spans, *t.extent) for t in tables}
-    return kinds.pop() if len(kinds) == 1 else None
 
 
 class _Peer:
@@ -202,10 +120,7 @@ class NixlEngine:
         self._peers: OrderedDict[str, _Peer] = OrderedDict()
         self._lock = threading.Lock()
         self._session_locks: dict[str, threading.Lock] = {}
-        #: prepared descriptor lists: (agent, memory kind, page tables) -> handle
-        self._dlists: OrderedDict[tuple[str, tuple[str, int], tuple[PageTable, ...]], Any] = (
-            OrderedDict()
-        )
+        self._prepared = PreparedLists()
         self._client = SideChannelClient(handshake_timeout_s, auth=auth)
         self._closed = False
 
@@ -244,8 +159,8 @@ class NixlEngine:
         with self._lock:
             reg = self._regs.pop(addr, None)
         if reg is not None:
-            self._drop_dlists(LOCAL_SIDE)  # lists prepared over this agent's memory go first
-            self._drop_dlists(self.name)
+            self._prepared.drop(self.agent, LOCAL_SIDE)  # lists over this memory go first
+            self._prepared.drop(self.agent, self.name)
             self.agent.deregister_memory(reg[0])
 
     # -- handshake -------------------------------------------------------------------
@@ -348,7 +263,7 @@ class NixlEngine:
             self._unload(peer.name)
 
     def _unload(self, name: str) -> None:
-        self._drop_dlists(name)  # prepared over the memory the peer had registered
+        self._prepared.drop(self.agent, name)  # lists over the memory the peer had registered
         if name == self.name:
             return
         try:
@@ -371,10 +286,10 @@ class NixlEngine:
         as many descriptors per pair of memory types (usually one). Raises like :meth:`read`."""
         try:
             peer = self.handshake(session)
-            kinds = [_kind(peer.spans, r, n) for _l, r, n in reads]
+            kinds = [kind_of(peer.spans, r, n) for _l, r, n in reads]
             if None in kinds:  # the peer may have registered memory since we loaded it
                 peer = self.handshake(session, stale=peer)
-                kinds = [_kind(peer.spans, r, n) for _l, r, n in reads]
+                kinds = [kind_of(peer.spans, r, n) for _l, r, n in reads]
             with self._lock:
                 spans = [span for _reg, span in self._regs.values()]
             groups: dict[tuple[str, str], list[tuple[int, int, int, int, int]]] = {}
@@ -384,7 +299,7 @@ class NixlEngine:
                         f"NIXL cannot read {n} bytes at {remote:#x} from {peer.name}: the range "
                         "is not in the sender's registered memory"
                     )
-                lmem, ldev = _kind(spans, local, n) or (self.mem_type, self.device_id)
+                lmem, ldev = kind_of(spans, local, n) or (self.mem_type, self.device_id)
                 groups.setdefault((lmem, kind[0]), []).append((local, remote, n, ldev, kind[1]))
             for (lmem, rmem), group in groups.items():
                 self._transfer(session, peer, lmem, rmem, group)
@@ -400,71 +315,30 @@ class NixlEngine:
             return
         try:
             peer = self.handshake(session)
-            rkind = _tables_kind(peer.spans, reads.remote)
+            rkind = tables_kind(peer.spans, reads.remote)
             if rkind is None:  # the peer may have registered memory since we loaded it
                 peer = self.handshake(session, stale=peer)
-                rkind = _tables_kind(peer.spans, reads.remote)
+                rkind = tables_kind(peer.spans, reads.remote)
             with self._lock:
                 spans = [span for _reg, span in self._regs.values()]
-            lkind = _tables_kind(spans, reads.local) if spans else None
+            lkind = tables_kind(spans, reads.local) if spans else None
             pages = max(sum(t.count for t in reads.remote), sum(t.count for t in reads.local))
             if rkind is None or lkind is None or pages > _MAX_INDEX:  # mixed kinds, or unknown
                 self.read_many(session, reads.ranges())  # names the range it cannot read
                 return
-            remote = self._dlist(peer.name, rkind, reads.remote)
-            local = self._dlist(LOCAL_SIDE, lkind, reads.local)
+            remote = self._prepared.get(self.agent, peer.name, rkind, reads.remote)
+            local = self._prepared.get(self.agent, LOCAL_SIDE, lkind, reads.local)
             r_ids = reads.remote_ids.astype(np.int32)
             l_ids = reads.local_ids.astype(np.int32)
 
             def make() -> Any:
-                with self._lock:  # no prepared list is released while a request is made
+                with self._prepared.using():  # no list is released while a request is made
                     return self.agent.make_prepped_xfer("READ", local, l_ids, remote, r_ids)
 
             what = f"{n} pages, {lkind[0]} <- {rkind[0]}"
             self._post(session, peer, make, reads.nbytes, what)
         except KVTransferTimeout as e:
             raise KVTransferError(str(e)) from None
-
-    def _dlist(self, agent: str, kind: tuple[str, int], tables: tuple[PageTable, ...]) -> Any:
-        """The prepared descriptor list of ``tables`` (one strided descriptor per table)
-        on ``agent``'s side (:data:`LOCAL_SIDE`: this agent's memory)."""
-        key = (agent, kind, tables)
-        with self._lock:
-            if key in self._dlists:
-                self._dlists.move_to_end(key)
-                return self._dlists[key]
-        rows = np.array([t.row(kind[1]) for t in tables], dtype=np.uint64)
-        try:
-            handle = self.agent.prep_xfer_dlist(agent, rows, kind[0])
-        except Exception as e:
-            raise KVTransferError(
-                f"NIXL could not prepare {len(tables)} page tables of {kind[0]} memory on "
-                f"{agent!r}: {e}"
-            ) from None
-        with self._lock:
-            if key in self._dlists:  # another thread prepared it meanwhile
-                drop: list[Any] = [handle]
-                handle = self._dlists[key]
-            else:
-                self._dlists[key] = handle
-                drop = []
-                while len(self._dlists) > MAX_DLISTS:
-                    drop.append(self._dlists.popitem(last=False)[1])
-            for h in drop:
-                self._release_dlist(h)
-        return handle
-
-    def _drop_dlists(self, agent: str) -> None:
-        """Release the prepared lists of ``agent``'s memory."""
-        with self._lock:
-            for key in [k for k in self._dlists if k[0] == agent]:
-                self._release_dlist(self._dlists.pop(key))
-
-    def _release_dlist(self, handle: Any) -> None:
-        try:
-            self.agent.release_dlist_handle(handle)
-        except Exception as e:
-            logger.debug("releasing a prepared NIXL descriptor list: %s", e)
 
     def _transfer(
         self,
@@ -549,9 +423,7 @@ class NixlEngine:
                 return
             self._closed = True
             peers, self._peers = list(self._peers.values()), OrderedDict()
-            dlists, self._dlists = list(self._dlists.values()), OrderedDict()
-        for h in dlists:
-            self._release_dlist(h)
+        self._prepared.close(self.agent)
         for p in peers:
             self._unload(p.name)
         for addr in list(self._regs):

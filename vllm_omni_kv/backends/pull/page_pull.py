@@ -23,7 +23,7 @@ import torch
 
 from vllm_omni_kv.backends.pool import ManagedBuffer
 from vllm_omni_kv.backends.pull.page_reads import PageReads, Read
-from vllm_omni_kv.backends.pull.pull_stream import when_reads_end
+from vllm_omni_kv.backends.pull.puller import when_reads_end
 from vllm_omni_kv.kvcache.move_plan import MovePlan, Run
 from vllm_omni_kv.kvcache.page_digests import check_pages
 from vllm_omni_kv.logger import init_logger

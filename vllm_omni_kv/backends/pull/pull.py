@@ -32,15 +32,8 @@ from vllm_omni_kv.backends.keys import edge_key, is_request_key
 from vllm_omni_kv.backends.net import local_ip
 from vllm_omni_kv.backends.pool import ManagedBuffer, MemoryPool
 from vllm_omni_kv.backends.pull.exposure import ExposureTable
-from vllm_omni_kv.backends.pull.pull_stream import (
-    EngineAdapter,
-    Lease,
-    LeaseBook,
-    Puller,
-    PullFailed,
-    PullFrameStream,
-    RawPullStream,
-)
+from vllm_omni_kv.backends.pull.pull_stream import Lease, LeaseBook, PullFrameStream, RawPullStream
+from vllm_omni_kv.backends.pull.puller import EngineAdapter, Puller, PullFailed
 from vllm_omni_kv.backends.pull.sender_ops import SenderOps
 from vllm_omni_kv.backends.pull.sender_requests import SenderEndpoints, SenderRequests
 from vllm_omni_kv.backends.pull.side_channel import (

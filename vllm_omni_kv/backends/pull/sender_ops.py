@@ -19,7 +19,7 @@ import secrets
 from typing import Any, TypeGuard
 
 from vllm_omni_kv.backends.pull.exposure import ExposureTable
-from vllm_omni_kv.backends.pull.pull_stream import EngineAdapter
+from vllm_omni_kv.backends.pull.puller import EngineAdapter
 
 __all__ = ["SenderOps"]
 

@@ -1,0 +1,55 @@
+"""NIXL's memory kinds: of a torch device, of a registered range, of page tables; and
+when a READ of a peer's device memory is likely to run at TCP speed."""
+
+from __future__ import annotations
+
+import socket
+
+from vllm_omni_kv.backends.pull.page_reads import PageTable
+
+#: a registered range: ``(address, bytes, memory type, device id)``
+Span = tuple[int, int, str, int]
+
+
+def memory_of(device: str) -> tuple[str, int]:
+    """NIXL's ``(memory type, device id)`` of a torch device string (``cpu``, ``cuda:N``)."""
+    dev = device.split(":")
+    return ("VRAM" if dev[0] == "cuda" else "DRAM"), (int(dev[1]) if len(dev) > 1 and dev[1] else 0)
+
+
+def kind_of(spans: list[Span], addr: int, n: int) -> tuple[str, int] | None:
+    """The memory type and device of the registered range holding ``[addr, addr+n)``."""
+    for base, size, mem, dev in spans:
+        if base <= addr and addr + n <= base + size:
+            return mem, dev
+    return None
+
+
+def tables_kind(spans: list[Span], tables: tuple[PageTable, ...]) -> tuple[str, int] | None:
+    """The one memory type and device holding every table (None: not all registered, or
+    in memory of several kinds)."""
+    kinds = {kind_of(spans, *t.extent) for t in tables}
+    return kinds.pop() if len(kinds) == 1 else None
+
+
+def device_read_warning(remote_memory: list[str], endpoint: str) -> str | None:
+    """Why a READ of ``remote_memory`` (``"VRAM:0"``...) from ``endpoint`` may run at TCP
+    speed, with what to do instead (None: no device memory, or another host)."""
+    host = endpoint.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
+    if not any(m.startswith("VRAM") for m in remote_memory) or not _this_host(host):
+        return None
+    return (
+        "reads of the peer's GPU memory on this host go by NIXL READ, which UCX has served "
+        "over TCP (0.45-0.56 GB/s on an H200, with UCX_TLS unset or cuda_ipc,cuda_copy,tcp); "
+        "on one host use backend 'cuda_ipc' (or 'shm'), or host pools (memory_pool_device: cpu)"
+    )
+
+
+def _this_host(host: str) -> bool:
+    """Whether ``host`` names this machine (loopback, or one of its own addresses)."""
+    if host in ("localhost", "::1") or host.startswith("127."):
+        return True
+    try:
+        return host in {a[4][0] for a in socket.getaddrinfo(socket.gethostname(), None)}
+    except OSError:
+        return False
