@@ -191,7 +191,7 @@ class BlocksPlan:
             host = torch.tensor(ids, dtype=torch.long)
             if device.type == "cuda":
                 host = host.pin_memory()
-            self._ids[key] = host.to(device, non_blocking=True)  # kept: the upload reads it
+            self._ids[key] = host.to(device, non_blocking=True)
         return self._ids[key]
 
     def spans(self, frame_address: int | None) -> list[Span] | None:

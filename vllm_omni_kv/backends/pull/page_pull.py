@@ -125,8 +125,8 @@ class PagePull:
                 rows = buf.tensor[at : at + len(got) * per].view(dp.dtype)
                 staged = rows.view(len(got), *dp.shape[1:])
                 sums = plan.digests(layer)
-                for k, it in enumerate(got if sums is not None else ()):
-                    check_pages(staged, k, 1, sums or (), it[3], layer, WHAT)
+                if sums is not None:  # a layer's pages in a chunk are consecutive payload pages
+                    check_pages(staged, 0, len(got), sums, got[0][3], layer, WHAT)
                 ids = torch.tensor([it[2] for it in got], dtype=torch.long, device=dp.device)
                 dp.index_copy_(0, ids, staged.to(dp.device))
                 at += len(got) * per
