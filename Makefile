@@ -88,11 +88,13 @@ bench: env
 # GPU check, on a machine with python3 3.12, torch + CUDA and no vLLM or package registry (the
 # device tool's machine): `make gpu-wheels && make gpu-check` (docs/gpu.md).
 # `make gpu-wheels` (here, with the package index) puts scripts/gpu_requirements.txt and its
-# dependencies, for CPython $(GPU_PY_VERSION) on manylinux x86_64, into $(GPU_WHEELS)/ (git-ignored;
+# dependencies (and NIXL's CUDA 13 wheel, repacked without nixl_ep), for CPython $(GPU_PY_VERSION)
+# on manylinux x86_64, into $(GPU_WHEELS)/ (git-ignored;
 # carry it) and checks the set resolves offline. `make gpu-check` installs it with
 # `pip install --no-index --target $(GPU_SITE)` onto PYTHONPATH (a failed install or import
-# stops it), then runs the CUDA tests (GPU_TESTS and every test marked `gpu`),
-# scripts/gpu_probe.py and the GPU benchmarks, each under a time limit, writing JSON into
+# stops it; NIXL, from scripts/gpu_nodeps.txt, is a step of its own), then runs the CUDA tests
+# (GPU_TESTS and every test marked `gpu`), scripts/gpu_probe.py, the GPU benchmarks and the NIXL
+# tests and benchmarks on cuda, each under a time limit (all within GPU_CHECK_SECONDS), writing JSON into
 # $(GPU_OUT) (`make gpu-check GPU_OUT=DIR`; default $$OUT when set).
 GPU_PY ?= python3
 GPU_PY_VERSION ?= 3.12

@@ -2,6 +2,12 @@
 
     python benchmarks/nixl_bench.py           # 16, 64, 256 MiB -> results/nixl_bench.{json,png}
     python benchmarks/nixl_bench.py --quick   # 1 and 4 MiB, for smoke tests
+    python benchmarks/nixl_bench.py --device cuda --sizes 16 64 --name nixl_bench_cuda  # GPU
+
+``--device cuda``: both pools are device memory (``memory_pool_device: cuda``, registered
+as ``VRAM``), the payload is a CUDA tensor, the bare agent reads into device memory and the
+copy is a device-to-device ``copy_``; ``make gpu-check`` runs it with ``UCX_TLS`` unset and
+set (the JSON records ``UCX_TLS``). Without matplotlib no plot is drawn.
 
 A sender process runs a ``NixlPullConnector`` (role sender); this process runs a receiver
 connector and, beside it, a bare NIXL agent. Each repeat: the sender ``put``\\ s a
@@ -38,27 +44,34 @@ RESULTS = Path(__file__).parent / "results"
 MIB = 1 << 20
 
 
-def _config(role: str, pool: int) -> dict[str, Any]:
+def _config(role: str, pool: int, device: str) -> dict[str, Any]:
     return {
         "role": role,
         "host": "127.0.0.1",
         "zmq_port": 0,
         "memory_pool_size": pool,
+        "memory_pool_device": device,
         "transfer_timeout_s": 60.0,
         "max_pulls": 1,
     }
 
 
-def sender_main(conn: Connection, pool: int) -> None:
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def sender_main(conn: Connection, pool: int, device: str = "cpu") -> None:
     """Child: a sender connector; ``("put", key, nbytes)`` -> ``(meta, put_seconds)``."""
-    c = NixlPullConnector(_config("sender", pool))
+    c = NixlPullConnector(_config("sender", pool, device))
     conn.send({"host": c.host, "port": c.zmq_port})
     while True:
         msg = conn.recv()
         if msg[0] == "exit":
             break
         _op, key, nbytes = msg
-        data = {"kv": torch.randint(0, 256, (nbytes,), dtype=torch.uint8)}
+        data = {"kv": torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)}
+        _sync(device)
         t0 = time.perf_counter()
         ok, size, meta = c.put("0", "1", key, data)
         conn.send((meta, time.perf_counter() - t0, size, ok))
@@ -68,11 +81,16 @@ def sender_main(conn: Connection, pool: int) -> None:
 class RawReader:
     """A bare NIXL agent reading a sender's pool (the engine's own transfer, nothing of ours)."""
 
-    def __init__(self, nbytes: int) -> None:
-        agent_cls, config_cls, _sync = import_nixl()
+    def __init__(self, nbytes: int, device: str = "cpu") -> None:
+        agent_cls, config_cls, _thread_sync = import_nixl()
         self.agent = agent_cls("bench-raw", config_cls(backends=["UCX"]))
-        self.buf = torch.empty(nbytes, dtype=torch.uint8)
-        self.reg = self.agent.register_memory([(self.buf.data_ptr(), nbytes, 0, "")], "DRAM")
+        self.buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        # both pools live on the same kind of memory (``--device``), device 0
+        self.mem, self.dev = (
+            ("VRAM", self.buf.device.index or 0) if device == "cuda" else ("DRAM", 0)
+        )
+        desc = [(self.buf.data_ptr(), nbytes, self.dev, "")]
+        self.reg = self.agent.register_memory(desc, self.mem)
         self.peers: dict[str, str] = {}
 
     def read(self, endpoint: str, agent_name: str, src: int, n: int) -> float:
@@ -84,8 +102,8 @@ class RawReader:
                 client.close()
             self.peers[agent_name] = self.agent.add_remote_agent(bytes(md["metadata"]))
         t0 = time.perf_counter()
-        local = self.agent.get_xfer_descs([(self.buf.data_ptr(), n, 0)], "DRAM")
-        remote = self.agent.get_xfer_descs([(src, n, 0)], "DRAM")
+        local = self.agent.get_xfer_descs([(self.buf.data_ptr(), n, self.dev)], self.mem)
+        remote = self.agent.get_xfer_descs([(src, n, self.dev)], self.mem)
         h = self.agent.initialize_xfer("READ", local, remote, agent_name)
         state = self.agent.transfer(h)
         while state == "PROC":
@@ -100,29 +118,31 @@ class RawReader:
         self.agent.deregister_memory(self.reg)
 
 
-def _memcpy_s(nbytes: int) -> float:
-    a = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+def _memcpy_s(nbytes: int, device: str = "cpu") -> float:
+    a = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
     b = torch.empty_like(a)
     b.copy_(a)
+    _sync(device)
     t0 = time.perf_counter()
     b.copy_(a)
+    _sync(device)
     return time.perf_counter() - t0
 
 
-def run(sizes: list[int], repeats: int) -> dict[str, Any]:
+def run(sizes: list[int], repeats: int, device: str = "cpu") -> dict[str, Any]:
     torch.set_num_threads(1)  # a memcpy is one thread; OpenMP spinning would starve NIXL's
     pool = max(sizes) + 8 * MIB
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=sender_main, args=(child, pool), daemon=True)
+    proc = ctx.Process(target=sender_main, args=(child, pool, device), daemon=True)
     proc.start()
     child.close()
     rows: list[dict[str, Any]] = []
     try:
         info = parent.recv()
         endpoint = f"tcp://{info['host']}:{info['port']}"
-        receiver = NixlPullConnector(_config("receiver", pool))
-        raw = RawReader(pool)
+        receiver = NixlPullConnector(_config("receiver", pool, device))
+        raw = RawReader(pool, device)
         try:
             for nbytes in sizes:
                 samples: dict[str, list[float]] = {"put": [], "pull": [], "raw": [], "memcpy": []}
@@ -142,7 +162,7 @@ def run(sizes: list[int], repeats: int) -> dict[str, Any]:
                         samples["put"].append(put_s)
                         samples["pull"].append(pull_s)
                         samples["raw"].append(raw_s)
-                        samples["memcpy"].append(_memcpy_s(frame))
+                        samples["memcpy"].append(_memcpy_s(frame, device))
                 med = {k: statistics.median(v) for k, v in samples.items()}
                 gbps = {k: frame / v / 1e9 for k, v in med.items()}
                 rows.append(
@@ -180,12 +200,19 @@ def run(sizes: list[int], repeats: int) -> dict[str, Any]:
         },
         "python": sys.version.split()[0],
         "torch": torch.__version__,
+        "device": device,
+        "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None,
+        "ucx_tls": os.environ.get("UCX_TLS"),  # None: UCX picks its transports
         "rows": rows,
     }
 
 
-def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
+def plot(result: dict[str, Any], path: Path) -> bool:
+    """Draw the rows into ``path``; False without matplotlib (the GPU machine)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -210,6 +237,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    return True
 
 
 def main() -> None:
@@ -217,14 +245,17 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="1 and 4 MiB, 2 repeats")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the pools are")
+    ap.add_argument("--sizes", type=int, nargs="+", help="MiB (default 16 64 256)")
+    ap.add_argument("--name", help="file name without extension (default nixl_bench[_quick])")
     a = ap.parse_args()
-    sizes = [1 * MIB, 4 * MIB] if a.quick else [16 * MIB, 64 * MIB, 256 * MIB]
-    result = run(sizes, 2 if a.quick else a.repeats)
+    sizes = [1 * MIB, 4 * MIB] if a.quick else [m * MIB for m in a.sizes or [16, 64, 256]]
+    result = run(sizes, 2 if a.quick else a.repeats, a.device)
     a.out.mkdir(parents=True, exist_ok=True)
-    name = "nixl_bench_quick" if a.quick else "nixl_bench"
+    name = a.name or ("nixl_bench_quick" if a.quick else "nixl_bench")
     (a.out / f"{name}.json").write_text(json.dumps(result, indent=2))
-    plot(result, a.out / f"{name}.png")
-    print(f"wrote {a.out / name}.json and .png")
+    drawn = plot(result, a.out / f"{name}.png")
+    print(f"wrote {a.out / name}.json" + (" and .png" if drawn else " (no matplotlib: no plot)"))
 
 
 if __name__ == "__main__":

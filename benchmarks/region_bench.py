@@ -11,8 +11,9 @@ Limits: ``cuda_ipc``: a device-to-device copy of the same bytes in the consumer 
 ``shm``: one single-threaded memcpy of the same bytes; ``mooncake_cache`` / ``nixl_cache``
 (``register_cache``; TCP / UCX here): one raw engine read (Mooncake ``transfer_sync_read``,
 NIXL ``READ``) of the same number of bytes from the producer's registered cache into the
-consumer's. ``make gpu-check`` runs the
-``cuda_ipc`` default (JSON into ``$(GPU_OUT)``). Each row carries its ``target`` (issue 30:
+consumer's (whose cache is registered, as a consumer's is). ``make gpu-check`` runs the
+``cuda_ipc`` default and ``nixl_cache`` on ``cuda`` (JSON into ``$(GPU_OUT)``; each row
+records ``UCX_TLS``). Each row carries its ``target`` (issue 30:
 ``cuda_ipc`` moves of 16 MiB and more at >= 70% of the device-to-device copy; issue 32:
 ``register_cache`` pulls of 16 MiB and more at >= 90% of the raw read) and ``meets_target``. Shape: 8 layers x 8 KV heads x head size
 128, bf16, K|V per token, 16-token blocks; the request's pages are half of a shuffled block
@@ -119,6 +120,9 @@ def _serve(name: str, ns: str, nblocks: int, device: str, peer: Any, conn: Any) 
     mine = _cache(backend, nblocks, device)
     ident = infer_identity(mine[0], packing="k_v")
     region = backend.cache_region
+    if peer is not None:  # registered with the engine, as a consumer's cache is: a device
+        # cache only where exported (its raw reads below were refused unregistered)
+        assert region.export(mine) is not None, "the consumer's cache was not registered"
     while True:
         cmd = conn.recv()
         if cmd[0] == "exit":
@@ -282,6 +286,8 @@ def measure(name: str, device: str, mib: int, repeats: int) -> dict[str, Any]:
         "same_ranges_ms": None if ranges_s is None else round(ranges_s * 1e3, 3),
         "vs_same_ranges": None if ranges_s is None else round(ranges_s / move_s, 3),
         "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None,
+        # NIXL: the UCX transports allowed (None: unset, UCX picks)
+        "ucx_tls": os.environ.get("UCX_TLS") if name == "nixl_cache" else None,
         "loadavg_1m": round(os.getloadavg()[0], 2),
         "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }

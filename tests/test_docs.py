@@ -12,7 +12,11 @@ from _models import REPO
 DOCS = REPO / "docs"
 RESULTS = REPO / "benchmarks" / "results"
 #: outputs of `make gpu-check` the pages name before any GPU run has produced them
-GPU_OUTPUTS = {"gpu_copy_bench.json"}
+GPU_OUTPUTS = {
+    "gpu_copy_bench.json",
+    *(f"{n}.json" for n in ("nixl_bench_cuda", "nixl_bench_cuda_tls", "region_bench_nixl")),
+    "region_bench_nixl_tls.json",
+}
 #: repository paths as the pages write them (in backticks), optionally with ``::test``
 PATH = re.compile(
     r"`((?:vllm_omni_kv|tests|benchmarks|examples|scripts)/[\w./-]+?)((?:::\w+)*)(?:\[\w+\])?`"

@@ -250,7 +250,13 @@ def test_threads_do_not_deadlock(backend: Harness) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("engine", ["mooncake_te", "nixl"])
+@pytest.mark.parametrize(  # marked: `make gpu-check` runs the nixl one in its NIXL step
+    "engine",
+    [
+        pytest.param("mooncake_te", marks=pytest.mark.mooncake),
+        pytest.param("nixl", marks=pytest.mark.nixl),
+    ],
+)
 def test_register_cache_cuda_pages_move_device_to_device(engine: str) -> None:
     """``register_cache`` with CUDA KV caches on both sides: each is registered with its
     connector's engine as device memory (NIXL: VRAM; Mooncake: its CUDA build) and the
