@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from vllm_omni_kv.backends.nixl.connector import NixlPullConnector
-from vllm_omni_kv.backends.nixl.engine import MD_OP
+from vllm_omni_kv.backends.nixl.handshake import MD_OP
 from vllm_omni_kv.backends.nixl.loader import import_nixl
 from vllm_omni_kv.backends.pull.side_channel import SideChannelClient
 

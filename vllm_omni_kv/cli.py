@@ -51,6 +51,11 @@ BACKENDS: dict[str, tuple[str, tuple[str, ...], str]] = {
         ("nixl._api",),
         "pip install 'vllm-omni-kv[nixl]'",
     ),
+    "nixl (register_cache, producer writes)": (
+        "vllm_omni_kv.backends.nixl.connector:write_selftest",
+        ("nixl._api",),
+        "pip install 'vllm-omni-kv[nixl]'",
+    ),
     "yuanrong": (
         "vllm_omni_kv.backends.yuanrong.datasystem",
         ("yr.datasystem",),

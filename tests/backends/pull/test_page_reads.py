@@ -266,7 +266,7 @@ def test_the_transport_is_on_record(pair: Pair, caplog: pytest.LogCaptureFixture
     import logging
 
     pair.receiver.engine.forget(pair.sender.engine.session)  # the next read handshakes
-    with caplog.at_level(logging.INFO, logger="vllm_omni_kv.backends.nixl.engine"):
+    with caplog.at_level(logging.INFO, logger="vllm_omni_kv.backends.nixl.handshake"):
         assert pair.move(_pairs(4, seed=1), Counter()) == 4 * LAYERS * PAGE
     said = [r.getMessage() for r in caplog.records if "NIXL peer" in r.getMessage()]
     assert len(said) == 1, said

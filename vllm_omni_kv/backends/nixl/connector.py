@@ -16,7 +16,9 @@ Config keys: those of the pull connector (``role``, ``host``, ``zmq_port``,
 ``sender_zmq_port``, ``auth_key_file``) plus ``nixl_backends`` (default ``["UCX"]``),
 ``nixl_num_threads`` (UCX worker threads, 0 = NIXL's default),
 ``handshake_timeout_s`` (per try, default ``side_channel_timeout_s``) and
-``handshake_retries`` (default 1), ``register_cache`` and ``verify_pages`` (as for
+``handshake_retries`` (default 1), ``nixl_direction`` (``auto``: the producer WRITEs where
+the memory read would be a GPU's, since UCX may serve a READ of it by TCP; ``read``;
+``write``; see :mod:`.engine`), ``register_cache`` and ``verify_pages`` (as for
 ``mooncake_te``: this engine's KV cache is registered with the agent too, ``DRAM`` on
 CPU and ``VRAM`` of its device on a GPU, and consumers pull just the page runs they
 lack straight out of it; see
@@ -35,7 +37,9 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from vllm_omni_kv.backends.nixl.engine import MD_OP, NixlEngine
+from vllm_omni_kv.backends.nixl.engine import DIRECTIONS, NixlEngine
+from vllm_omni_kv.backends.nixl.handshake import MD_OP
+from vllm_omni_kv.backends.nixl.write_wire import WRITE_OPS
 from vllm_omni_kv.backends.pull.cache_region import CacheRegionConnector
 from vllm_omni_kv.backends.pull.pull import EngineAdapter
 from vllm_omni_kv.errors import ConfigError
@@ -47,7 +51,7 @@ class NixlPullConnector(CacheRegionConnector):
 
     backend_name = "nixl"
     CONFIG_KEYS: ClassVar[frozenset[str]] = CacheRegionConnector.CONFIG_KEYS | frozenset(
-        "nixl_backends nixl_num_threads handshake_timeout_s handshake_retries".split()
+        "nixl_backends nixl_num_threads handshake_timeout_s handshake_retries nixl_direction".split()
     )
 
     def __init__(self, config: dict[str, Any] | None = None) -> None:
@@ -67,6 +71,9 @@ class NixlPullConnector(CacheRegionConnector):
             threads = int(cfg.get("nixl_num_threads", 0))
         except (TypeError, ValueError) as e:
             raise ConfigError(f"NixlPullConnector: bad numeric setting: {e}") from None
+        direction = str(cfg.get("nixl_direction", "auto"))
+        if direction not in DIRECTIONS:
+            raise ConfigError(f"nixl_direction must be one of {DIRECTIONS}, got {direction!r}")
         if not backends or hs_timeout <= 0 or hs_retries < 0:
             raise ConfigError(
                 "NixlPullConnector needs nixl_backends (e.g. ['UCX']), handshake_timeout_s > 0 "
@@ -80,10 +87,14 @@ class NixlPullConnector(CacheRegionConnector):
             handshake_timeout_s=hs_timeout,
             handshake_retries=hs_retries,
             auth=self.auth,
+            direction=direction,
         )
         return self._nixl
 
     def _handle(self, msg: dict[str, Any]) -> dict[str, Any]:
+        if msg.get("op") in WRITE_OPS:
+            assert self._nixl is not None
+            return self._nixl.serve_write(msg)
         if msg.get("op") == MD_OP:
             assert self._nixl is not None
             try:
@@ -136,3 +147,11 @@ def cache_selftest() -> dict[str, Any]:
     from vllm_omni_kv.backends.pull.selftest import cache_round_trip
 
     return cache_round_trip(NixlPullConnector)
+
+
+def write_selftest() -> dict[str, Any]:
+    """``register_cache`` pages moved by the producer's NIXL ``WRITE`` into the consumer's
+    registered cache (``nixl_direction: write``; two agents of this process)."""
+    from vllm_omni_kv.backends.pull.selftest import cache_round_trip
+
+    return cache_round_trip(NixlPullConnector, nixl_direction="write")

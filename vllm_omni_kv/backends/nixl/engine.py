@@ -18,6 +18,10 @@ page tables are prepared once as a list of strided descriptors (one per layer; a
 :mod:`.prepared_lists`; a peer's released with it), so a move's host work is
 two index arrays and one post whatever its page count. A failed transfer forgets the peer so the next read
 handshakes again (a restarted sender has a new agent name anyway).
+
+``direction`` picks who posts: ``read`` (this agent READs), ``write`` (the peer WRITEs
+into this agent's memory, :mod:`.write_client` / :mod:`.writer`), or ``auto`` (WRITE
+where the peer's memory is ``VRAM``, whose READ UCX may serve by TCP; READ otherwise).
 """
 
 from __future__ import annotations
@@ -32,16 +36,18 @@ from typing import Any
 
 import numpy as np
 
+from vllm_omni_kv.backends.nixl.handshake import ask_metadata, load_peer, log_peer
 from vllm_omni_kv.backends.nixl.loader import import_nixl
 from vllm_omni_kv.backends.nixl.memory import (
     Span,
-    device_read_warning,
     kind_of,
     memory_of,
     tables_kind,
 )
 from vllm_omni_kv.backends.nixl.prepared_lists import LOCAL_SIDE, PreparedLists
-from vllm_omni_kv.backends.pull.page_reads import PageReads
+from vllm_omni_kv.backends.nixl.write_client import WriteClient
+from vllm_omni_kv.backends.nixl.writer import Writer
+from vllm_omni_kv.backends.pull.page_reads import PageReads, Read
 from vllm_omni_kv.backends.pull.side_channel import SideChannelClient
 from vllm_omni_kv.errors import BackendUnavailable, KVTransferError, KVTransferTimeout
 from vllm_omni_kv.logger import init_logger
@@ -49,14 +55,13 @@ from vllm_omni_kv.wire.auth import AuthKey
 
 logger = init_logger(__name__)
 
-#: the side-channel op that returns this agent's metadata
-MD_OP = "nixl_md"
 #: remote agents kept loaded at most (the least recently used one is removed past it)
 MAX_PEERS = 256
 #: the longest sleep between two polls of a running transfer (seconds)
 MAX_POLL_S = 0.001
 #: the most descriptors a prepared list may hold (its indices are int32)
 _MAX_INDEX = 2**31 - 1
+DIRECTIONS = ("auto", "read", "write")
 
 
 def parse_session(session: str) -> tuple[str, str]:
@@ -88,6 +93,7 @@ class NixlEngine:
         handshake_timeout_s: float = 5.0,
         handshake_retries: int = 1,
         auth: AuthKey | None = None,
+        direction: str = "auto",
     ) -> None:
         agent_cls, config_cls, sync_t = import_nixl()
         self.name = f"omnikv-{uuid.uuid4().hex[:16]}"
@@ -123,6 +129,11 @@ class NixlEngine:
         self._prepared = PreparedLists()
         self._client = SideChannelClient(handshake_timeout_s, auth=auth)
         self._closed = False
+        self.direction = direction
+        self._writer = Writer(self.agent, self._prepared, self._spans, self._unload_sink)
+        self._writes = WriteClient(
+            self.agent, self.name, self._spans, self._client, handshake_timeout_s, self._is_closed
+        )
 
     def advertise(self, host: str, port: int) -> None:
         """Name this agent's side channel in its session (after the server bound ``port``)."""
@@ -130,9 +141,22 @@ class NixlEngine:
 
     def metadata(self) -> dict[str, Any]:
         """What a peer needs to read from this agent (served under :data:`MD_OP`)."""
-        with self._lock:
-            spans = [list(span) for _reg, span in self._regs.values()]
+        spans = [list(span) for span in self._spans()]
         return {"agent": self.name, "metadata": self.agent.get_agent_metadata(), "spans": spans}
+
+    def serve_write(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Answer one of the WRITE direction's side-channel ops (:mod:`.writer`)."""
+        return self._writer(msg)
+
+    def _spans(self) -> list[Span]:
+        with self._lock:
+            return [span for _reg, span in self._regs.values()]
+
+    def _is_closed(self) -> bool:
+        return self._closed
+
+    def _writes_to(self, rkind: tuple[str, int]) -> bool:
+        return self.direction == "write" or (self.direction == "auto" and rkind[0] == "VRAM")
 
     def register(self, addr: int, size: int) -> None:
         """Register the pool (memory of the pool's device)."""
@@ -154,6 +178,7 @@ class NixlEngine:
             ) from None
         with self._lock:
             self._regs[addr] = (reg, span)
+        self._writes.forget()  # producers learn our new metadata at the next move
 
     def unregister(self, addr: int) -> None:
         with self._lock:
@@ -162,6 +187,7 @@ class NixlEngine:
             self._prepared.drop(self.agent, LOCAL_SIDE)  # lists over this memory go first
             self._prepared.drop(self.agent, self.name)
             self.agent.deregister_memory(reg[0])
+            self._writes.forget()
 
     # -- handshake -------------------------------------------------------------------
     def handshake(self, session: str, stale: _Peer | None = None) -> _Peer:
@@ -191,66 +217,20 @@ class NixlEngine:
 
     def _fetch(self, session: str) -> _Peer:
         name, endpoint = parse_session(session)
-        tries = 1 + self.handshake_retries
-        reply: dict[str, Any] | None = None
-        for i in range(tries):
-            try:
-                reply = self._client.request(endpoint, {"op": MD_OP}, self.handshake_timeout_s)
-                break
-            except KVTransferTimeout as e:
-                logger.warning("NIXL handshake with %s, try %d/%d: %s", endpoint, i + 1, tries, e)
-        if reply is None:
-            raise KVTransferTimeout(
-                f"NIXL handshake with {endpoint} got no answer in {tries} tries of "
-                f"{self.handshake_timeout_s:.1f}s: the sender is gone or unreachable "
-                "(check its host / zmq_port and firewall)"
-            )
-        if not reply.get("ok") or reply.get("agent") != name:
-            raise KVTransferError(
-                f"the side channel at {endpoint} does not serve NIXL agent {name!r} "
-                f"(reply: {reply.get('error') or reply.get('agent')!r}): the sender restarted "
-                "or is not a nixl backend; ask it for fresh metadata"
-            )
-        if name != self.name:  # a dual connector reads from itself through loopback
-            try:
-                loaded = self.agent.add_remote_agent(bytes(reply["metadata"]))
-                if isinstance(loaded, bytes):
-                    loaded = loaded.decode()
-            except Exception as e:
-                raise KVTransferError(f"NIXL could not load {name!r}'s metadata: {e}") from None
-            if loaded != name:
-                raise KVTransferError(
-                    f"NIXL metadata from {endpoint} names {loaded!r}, not {name!r}"
-                )
-        try:
-            spans = [(int(a), int(n), str(m), int(d)) for a, n, m, d in reply.get("spans") or []]
-        except (TypeError, ValueError):
-            raise KVTransferError(f"NIXL metadata from {endpoint}: bad memory ranges") from None
-        self._record(name, endpoint, spans)
+        reply = ask_metadata(
+            self._client, endpoint, self.handshake_timeout_s, self.handshake_retries
+        )
+        spans = load_peer(self.agent, self.name, name, endpoint, reply)
+        log_peer(name, endpoint, spans, self._spans(), self.transport(), self.direction)
         return _Peer(name, spans)
 
     def transport(self) -> str:
-        """NIXL's backends, and the UCX transports allowed (``UCX_TLS``) when UCX is one."""
+        """NIXL's backends, the UCX transports allowed (``UCX_TLS``) when UCX is one, and
+        ``/write`` where every move is the peer's WRITE (``auto`` names no direction: it
+        depends on the peer's memory)."""
         tls = os.environ.get("UCX_TLS", "") if "UCX" in self.backends else ""
-        return "+".join(self.backends) + (f"[UCX_TLS={tls}]" if tls else "")
-
-    def _record(self, name: str, endpoint: str, spans: list[Span]) -> None:
-        """Log what a new peer's reads cross: its memory, ours, the transports allowed; warn
-        where device memory would be READ on one host (UCX serves that by TCP)."""
-        with self._lock:
-            ours = sorted({f"{m}:{d}" for _r, (_a, _n, m, d) in self._regs.values()})
-        theirs = sorted({f"{m}:{d}" for _a, _n, m, d in spans})
-        logger.info(
-            "NIXL peer %s at %s: its memory %s, this agent's %s, over %s",
-            name,
-            endpoint,
-            theirs or "none",
-            ours or "none",
-            self.transport(),
-        )
-        warning = device_read_warning(theirs, endpoint)
-        if warning:
-            logger.warning("NIXL peer %s at %s: %s", name, endpoint, warning)
+        way = "/write" if self.direction == "write" else ""
+        return "+".join(self.backends) + (f"[UCX_TLS={tls}]" if tls else "") + way
 
     def forget(self, session: str) -> None:
         """Drop a peer (after a failed transfer); the next read handshakes again."""
@@ -261,6 +241,13 @@ class NixlEngine:
                 del self._session_locks[session]
         if peer is not None:
             self._unload(peer.name)
+
+    def _unload_sink(self, name: str) -> None:
+        """Drop a consumer the writer loaded, unless this agent also reads from it."""
+        with self._lock:
+            if name == self.name or any(p.name == name for p in self._peers.values()):
+                return
+        self._unload(name)
 
     def _unload(self, name: str) -> None:
         self._prepared.drop(self.agent, name)  # lists over the memory the peer had registered
@@ -290,8 +277,7 @@ class NixlEngine:
             if None in kinds:  # the peer may have registered memory since we loaded it
                 peer = self.handshake(session, stale=peer)
                 kinds = [kind_of(peer.spans, r, n) for _l, r, n in reads]
-            with self._lock:
-                spans = [span for _reg, span in self._regs.values()]
+            spans = self._spans()
             groups: dict[tuple[str, str], list[tuple[int, int, int, int, int]]] = {}
             for (local, remote, n), kind in zip(reads, kinds, strict=True):
                 if kind is None:
@@ -302,6 +288,9 @@ class NixlEngine:
                 lmem, ldev = kind_of(spans, local, n) or (self.mem_type, self.device_id)
                 groups.setdefault((lmem, kind[0]), []).append((local, remote, n, ldev, kind[1]))
             for (lmem, rmem), group in groups.items():
+                if self._writes_to((rmem, 0)):
+                    self._written(session, peer, [(a, r, n) for a, r, n, _ld, _rd in group])
+                    continue
                 self._transfer(session, peer, lmem, rmem, group)
         except KVTransferTimeout as e:
             raise KVTransferError(str(e)) from None
@@ -319,12 +308,14 @@ class NixlEngine:
             if rkind is None:  # the peer may have registered memory since we loaded it
                 peer = self.handshake(session, stale=peer)
                 rkind = tables_kind(peer.spans, reads.remote)
-            with self._lock:
-                spans = [span for _reg, span in self._regs.values()]
+            spans = self._spans()
             lkind = tables_kind(spans, reads.local) if spans else None
             pages = max(sum(t.count for t in reads.remote), sum(t.count for t in reads.local))
             if rkind is None or lkind is None or pages > _MAX_INDEX:  # mixed kinds, or unknown
                 self.read_many(session, reads.ranges())  # names the range it cannot read
+                return
+            if self._writes_to(rkind):
+                self._written(session, peer, reads)
                 return
             remote = self._prepared.get(self.agent, peer.name, rkind, reads.remote)
             local = self._prepared.get(self.agent, LOCAL_SIDE, lkind, reads.local)
@@ -339,6 +330,19 @@ class NixlEngine:
             self._post(session, peer, make, reads.nbytes, what)
         except KVTransferTimeout as e:
             raise KVTransferError(str(e)) from None
+
+    def _written(self, session: str, peer: _Peer, reads: PageReads | list[Read]) -> None:
+        """A move the peer WRITEs; a failed one forgets the peer (and our setup there)."""
+        endpoint = parse_session(session)[1]
+        try:
+            if isinstance(reads, PageReads):
+                self._writes.write_pages(endpoint, peer.name, reads, self.timeout_s)
+            else:
+                self._writes.write_ranges(endpoint, peer.name, reads, self.timeout_s)
+        except BaseException:
+            self.forget(session)
+            self._writes.forget(endpoint)
+            raise
 
     def _transfer(
         self,
@@ -423,6 +427,7 @@ class NixlEngine:
                 return
             self._closed = True
             peers, self._peers = list(self._peers.values()), OrderedDict()
+        self._writer.close()
         self._prepared.close(self.agent)
         for p in peers:
             self._unload(p.name)

@@ -22,6 +22,9 @@ from vllm_omni_kv.kvcache.cache_layout import dense_pages
 from vllm_omni_kv.kvcache.move_plan import MovePlan
 
 Read = tuple[int, int, int]  # (local address, remote address, bytes)
+#: layers (table indices, int64 ``[k]``) moving the same ``(remote page, local page)`` pairs
+#: (int64 ``[n, 2]``)
+Group = tuple[np.ndarray, np.ndarray]
 
 
 @dataclass(frozen=True)
@@ -59,17 +62,32 @@ def _starts(tables: list[PageTable]) -> np.ndarray:
     return np.cumsum([0] + [t.count for t in tables[:-1]], dtype=np.int64)
 
 
+def group_ids(
+    remote: tuple[PageTable, ...], local: tuple[PageTable, ...], groups: tuple[Group, ...]
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(remote ids, local ids)`` of ``groups``: indices into the concatenated tables, group
+    by group, each group layer by layer."""
+    r_at, l_at = _starts(list(remote)), _starts(list(local))
+    r_ids, l_ids = [np.zeros(0, dtype=np.int64)], [np.zeros(0, dtype=np.int64)]
+    for layers, pairs in groups:
+        r_ids.append((r_at[layers][:, None] + pairs[None, :, 0]).ravel())
+        l_ids.append((l_at[layers][:, None] + pairs[None, :, 1]).ravel())
+    return np.concatenate(r_ids), np.concatenate(l_ids)
+
+
 @dataclass(frozen=True)
 class PageReads:
     """Remote page ``remote_ids[j]`` into local page ``local_ids[j]``: indices into the
     concatenated ``remote`` (resp. ``local``) tables, in table order (table ``t``'s page
-    ``i`` at ``sum(count of tables before t) + i``); ``nbytes`` in all."""
+    ``i`` at ``sum(count of tables before t) + i``); ``nbytes`` in all. ``groups`` is the
+    same move in the plan's compact form (:func:`group_ids` expands it)."""
 
     remote: tuple[PageTable, ...]
     local: tuple[PageTable, ...]
     remote_ids: np.ndarray
     local_ids: np.ndarray
     nbytes: int
+    groups: tuple[Group, ...] = ()
 
     @classmethod
     def of_plan(cls, plan: MovePlan, remote_base: int) -> PageReads:
@@ -81,16 +99,15 @@ class PageReads:
             at = remote_base + int(sp.storage_offset()) * sp.element_size()
             remote.append(_table(sp, at, i, "producer's"))
             local.append(_table(dp, dp.data_ptr(), i, "local"))
-        r_at, l_at = _starts(remote), _starts(local)
-        r_ids, l_ids = [np.zeros(0, dtype=np.int64)], [np.zeros(0, dtype=np.int64)]
-        for g in plan.groups:
-            pairs = np.asarray(g.pairs, dtype=np.int64).reshape(-1, 2)
-            layers = np.asarray(g.layers, dtype=np.int64)
-            r_ids.append((r_at[layers][:, None] + pairs[None, :, 0]).ravel())
-            l_ids.append((l_at[layers][:, None] + pairs[None, :, 1]).ravel())
-        return cls(
-            tuple(remote), tuple(local), np.concatenate(r_ids), np.concatenate(l_ids), plan.nbytes
+        groups = tuple(
+            (
+                np.asarray(g.layers, dtype=np.int64),
+                np.asarray(g.pairs, dtype=np.int64).reshape(-1, 2),
+            )
+            for g in plan.groups
         )
+        r, lo = tuple(remote), tuple(local)
+        return cls(r, lo, *group_ids(r, lo, groups), plan.nbytes, groups)
 
     def ranges(self) -> list[Read]:
         """The same reads as ``(local, remote, bytes)`` ranges: pages consecutive on both

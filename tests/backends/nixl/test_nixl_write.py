@@ -1,0 +1,185 @@
+"""NIXL's WRITE direction on real agents (UCX over loopback): the producer WRITEs into the
+consumer's pool or registered cache, exact bytes; a client that copied another agent's
+metadata never aims writes at it; a used nonce is refused; a paused producer is waited
+out (the consumer's memory stays held) and a dead one ends the wait."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("nixl", reason="nixl is not installed (pip install nixl)")
+
+from vllm_omni_kv.backends.nixl import write_wire as ww  # noqa: E402
+from vllm_omni_kv.backends.nixl.connector import NixlPullConnector, write_selftest  # noqa: E402
+from vllm_omni_kv.backends.pull.page_reads import PageReads, PageTable, group_ids  # noqa: E402
+from vllm_omni_kv.backends.pull.selftest import pull_round_trip  # noqa: E402
+from vllm_omni_kv.backends.pull.side_channel import SideChannelClient  # noqa: E402
+from vllm_omni_kv.errors import KVTransferError  # noqa: E402
+
+from ..conformance import SenderProcess, nixl_config, wait_until  # noqa: E402
+
+pytestmark = pytest.mark.nixl
+
+
+def _conn(role: str, **over: Any) -> NixlPullConnector:
+    return NixlPullConnector(nixl_config(role, pool_mib=16, **over))
+
+
+def _endpoint(c: NixlPullConnector) -> str:
+    return f"tcp://127.0.0.1:{c.zmq_port}"
+
+
+def test_pool_and_cache_moves_are_written_by_the_producer() -> None:
+    """Exact bytes both ways (checked by the round trips), and no READ posted by the
+    consumer: every post is the producer's WRITE."""
+    sender, receiver = _conn("sender"), _conn("receiver", nixl_direction="write")
+    reads: list[str] = []
+    agent = receiver.engine.agent  # type: ignore[attr-defined]
+    for name in ("initialize_xfer", "make_prepped_xfer"):
+        inner = getattr(agent, name)
+        setattr(agent, name, lambda *a, _f=inner, **k: reads.append(a[0]) or _f(*a, **k))
+    try:
+        assert pull_round_trip(sender, receiver) is None
+        assert reads == []
+    finally:
+        receiver.close()
+        sender.close()
+    got = write_selftest()  # doctor --selftest's row
+    assert got["ok"] and got["transport"] == "nixl:UCX/write", got
+
+
+def test_a_client_with_copied_metadata_cannot_aim_writes_at_its_owner() -> None:
+    """A client sends a victim's metadata as its own sink: the producer challenges the
+    victim (who ignores it), the client cannot echo the challenge, writes are refused."""
+    sender, victim = _conn("sender"), _conn("receiver", nixl_direction="write")
+    client = SideChannelClient(5.0)
+    try:
+        v = victim.engine  # type: ignore[attr-defined]
+        spans = [list(s) for s in v._spans()]
+        sink = {
+            "op": ww.SINK_OP,
+            "agent": v.name,
+            "md": v.agent.get_agent_metadata(),
+            "spans": spans,
+        }
+        assert client.request(_endpoint(sender), sink).get("challenged")
+        forged = client.request(_endpoint(sender), ww.proof_msg(v.name, os.urandom(16)))
+        assert not forged["ok"] and "challenge" in forged["error"]
+        rows = [(victim.base_ptr, sender.base_ptr, 4096)]
+        write = ww.range_write_msgs(v.name, rows, 1.0)[0]
+        assert client.request(_endpoint(sender), write) == {"ok": False, "reason": "need_sink"}
+    finally:
+        client.close()
+        victim.close()
+        sender.close()
+
+
+def test_a_nonce_once_aborted_or_used_is_refused() -> None:
+    sender, receiver = _conn("sender"), _conn("receiver", nixl_direction="write")
+    client = SideChannelClient(5.0)
+    try:
+        assert pull_round_trip(sender, receiver) is None  # the receiver is a proven sink now
+        name = receiver.engine.name  # type: ignore[attr-defined]
+        rows = [(receiver.base_ptr, sender.base_ptr, 4096)]
+        late = ww.range_write_msgs(name, rows, 1.0)[0]
+        gone = client.request(_endpoint(sender), {"op": ww.ABORT_OP, "nonce": late["nonce"]})
+        assert gone == {"ok": True, "state": "unknown"}
+        refused = client.request(_endpoint(sender), late)
+        assert not refused["ok"] and "nonce" in refused["error"]
+        outside = ww.range_write_msgs(name, [(1 << 12, sender.base_ptr, 4096)], 1.0)[0]
+        refused = client.request(_endpoint(sender), outside)
+        assert not refused["ok"] and "registered" in refused["error"]
+    finally:
+        client.close()
+        receiver.close()
+        sender.close()
+
+
+@pytest.mark.slow
+def test_a_paused_producer_is_waited_out_and_a_dead_one_ends_the_wait() -> None:
+    """SIGSTOP the producer before the consumer asks for its writes: the load fails within
+    the transfer timeout, but the pool memory the writes target stays held while the
+    producer may still wake and write; SIGKILL ends that at once."""
+    proc = SenderProcess(nixl_config("sender", pool_mib=16), backend="nixl")
+    r = _conn(
+        "receiver", nixl_direction="write", transfer_timeout_s=2.0, side_channel_timeout_s=1.0
+    )
+    try:
+        data = {f"l{i}": torch.full((1024, 64), float(i)) for i in range(8)}
+        meta = proc.call(op="put", key="paused", data=data)["meta"]
+        stream = r.open_stream("0", "1", "paused", meta)
+        assert stream is not None and stream.moved < stream.size
+        os.kill(proc.proc.pid, signal.SIGSTOP)
+        failed: list[str] = []
+
+        def load() -> None:
+            try:
+                with stream:
+                    for _ in stream.load(None, time.monotonic() + 30):
+                        pass
+            except KVTransferError as e:
+                failed.append(str(e))
+
+        t0 = time.monotonic()
+        t = threading.Thread(target=load)
+        t.start()
+        t.join(10)
+        assert failed and time.monotonic() - t0 < 8.0, "the load did not fail in bounded time"
+        time.sleep(2.0)
+        assert r.pool.allocator.used > 0, "memory a paused producer may still write was freed"
+        proc.proc.kill()
+        proc.proc.join(10)
+        assert wait_until(lambda: r.pool.allocator.used == 0, 10), r.pool.stats()
+    finally:
+        r.close()
+        proc.stop()
+
+
+def _registered_cache(c: NixlPullConnector) -> torch.Tensor:
+    assert c.cache_region is not None
+    with c.cache_region.allocation_context():
+        buf = torch.zeros(4 * 1024 * 256, dtype=torch.int8)  # >= 1 MiB: the cache
+    return buf.view(4, 1024, 256)[:3]
+
+
+def _tables(cache: torch.Tensor) -> tuple[PageTable, ...]:
+    return tuple(PageTable(cache[i].data_ptr(), 256, 256, 1024) for i in range(3))
+
+
+def test_page_writes_post_once_per_group_whatever_the_pages() -> None:
+    """Real agents: one producer WRITE per move of 4 / 64 / 1,024 pages (3 layers), the
+    bytes exact, whatever the page count. The consumer registers its cache after its first
+    (pool) move: it proves itself again with its new metadata before the page writes."""
+    sender = _conn("sender", register_cache=True)
+    receiver = _conn("receiver", nixl_direction="write", register_cache=True)
+    src = _registered_cache(sender)
+    assert pull_round_trip(sender, receiver) is None
+    dst = _registered_cache(receiver)
+    src.copy_(torch.randint(-128, 127, src.shape, dtype=torch.int8))
+    posts: list[str] = []
+    w = sender.engine._writer  # type: ignore[attr-defined]
+    inner = w._agent.make_prepped_xfer
+    w._agent.make_prepped_xfer = lambda *a, **k: posts.append(a[0]) or inner(*a, **k)
+    try:
+        session = sender.engine.session  # type: ignore[attr-defined]
+        rt, lt = _tables(src), _tables(dst)
+        rng = np.random.default_rng(1)
+        for n in (4, 64, 1024):
+            pairs = np.stack([rng.permutation(1024)[:n], rng.permutation(1024)[:n]], 1)
+            groups = ((np.arange(3, dtype=np.int64), pairs.astype(np.int64)),)
+            reads = PageReads(rt, lt, *group_ids(rt, lt, groups), n * 768, groups)
+            receiver.engine.read_pages(session, reads)  # type: ignore[attr-defined]
+            s_ids, d_ids = pairs[:, 0].tolist(), pairs[:, 1].tolist()
+            assert torch.equal(dst[:, d_ids], src[:, s_ids])
+        assert posts == ["WRITE"] * 3, posts
+    finally:
+        receiver.close()
+        sender.close()

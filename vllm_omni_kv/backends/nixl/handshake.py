@@ -1,0 +1,86 @@
+"""Loading a peer agent: its metadata over the side channel (op :data:`MD_OP`), checked,
+loaded into our agent, and what its transfers will cross put on record."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_omni_kv.backends.nixl.memory import Span, device_read_warning
+from vllm_omni_kv.backends.pull.side_channel import SideChannelClient
+from vllm_omni_kv.errors import KVTransferError, KVTransferTimeout
+from vllm_omni_kv.logger import init_logger
+
+logger = init_logger(__name__)
+
+#: the side-channel op that returns an agent's metadata
+MD_OP = "nixl_md"
+
+
+def ask_metadata(
+    client: SideChannelClient, endpoint: str, timeout_s: float, retries: int
+) -> dict[str, Any]:
+    """The ``MD_OP`` reply of ``endpoint``, in at most ``1 + retries`` tries."""
+    tries = 1 + retries
+    for i in range(tries):
+        try:
+            return client.request(endpoint, {"op": MD_OP}, timeout_s)
+        except KVTransferTimeout as e:
+            logger.warning("NIXL handshake with %s, try %d/%d: %s", endpoint, i + 1, tries, e)
+    raise KVTransferTimeout(
+        f"NIXL handshake with {endpoint} got no answer in {tries} tries of "
+        f"{timeout_s:.1f}s: the sender is gone or unreachable "
+        "(check its host / zmq_port and firewall)"
+    )
+
+
+def add_agent(agent: Any, md: bytes, name: str, where: str) -> None:
+    """Load ``md`` into ``agent``; it must name ``name``."""
+    try:
+        loaded = agent.add_remote_agent(md)
+    except Exception as e:
+        raise KVTransferError(f"NIXL could not load {name!r}'s metadata: {e}") from None
+    loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+    if loaded != name:
+        raise KVTransferError(f"NIXL metadata from {where} names {loaded!r}, not {name!r}")
+
+
+def load_peer(
+    agent: Any, own_name: str, name: str, endpoint: str, reply: dict[str, Any]
+) -> list[Span]:
+    """Check ``reply`` (from ``endpoint``, for agent ``name``), load it; the peer's spans."""
+    if not reply.get("ok") or reply.get("agent") != name:
+        raise KVTransferError(
+            f"the side channel at {endpoint} does not serve NIXL agent {name!r} "
+            f"(reply: {reply.get('error') or reply.get('agent')!r}): the sender restarted "
+            "or is not a nixl backend; ask it for fresh metadata"
+        )
+    if name != own_name:  # a dual connector reads from itself through loopback
+        md = reply.get("metadata")
+        if not isinstance(md, bytes):
+            raise KVTransferError(f"NIXL metadata from {endpoint}: no metadata bytes")
+        add_agent(agent, md, name, endpoint)
+    try:
+        return [(int(a), int(n), str(m), int(d)) for a, n, m, d in reply.get("spans") or []]
+    except (TypeError, ValueError):
+        raise KVTransferError(f"NIXL metadata from {endpoint}: bad memory ranges") from None
+
+
+def log_peer(
+    name: str, endpoint: str, spans: list[Span], ours: list[Span], transport: str, direction: str
+) -> None:
+    """Log what a new peer's moves cross: its memory, ours, the transports allowed and the
+    direction; warn where device memory would be READ on one host (UCX serves that by TCP)."""
+    theirs = sorted({f"{m}:{d}" for _a, _n, m, d in spans})
+    mine = sorted({f"{m}:{d}" for _a, _n, m, d in ours})
+    logger.info(
+        "NIXL peer %s at %s: its memory %s, this agent's %s, over %s, direction %s",
+        name,
+        endpoint,
+        theirs or "none",
+        mine or "none",
+        transport,
+        direction,
+    )
+    warning = device_read_warning(theirs, endpoint) if direction == "read" else None
+    if warning:
+        logger.warning("NIXL peer %s at %s: %s", name, endpoint, warning)

@@ -1,0 +1,290 @@
+"""The consumer's half of NIXL's WRITE direction: ask a producer to WRITE a move into this
+agent's registered memory, and wait for its end.
+
+Per producer (its side-channel endpoint) this agent proves itself once (``nixl_sink``:
+metadata, then the echo of the challenge the producer sent as a NIXL notification) and
+sends each table set once (``nixl_tables``); a move is then one ``nixl_write`` per
+:data:`~.write_wire.MAX_PAIRS` pages of a layer group (one for most moves), each ended by
+the producer's notification ``D`` (done) or ``E`` (failed) + its nonce. A producer that
+forgot this agent (a restart, an eviction) answers ``need_sink``/``need_tables`` and the
+setup is sent again, once.
+
+A move past ``timeout_s`` is aborted: ``nixl_write_abort`` per write still running. Bytes
+may land until the producer says the write ended, so the move is *waited out* as a READ
+that cannot be aborted is: it returns (raising) only when every write is done, aborted or
+unknown to the producer, or the producer's side channel refuses connections (its process
+is gone). A paused producer is never judged gone.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+from vllm_omni_kv.backends.nixl import write_wire as ww
+from vllm_omni_kv.backends.nixl.memory import Span
+from vllm_omni_kv.backends.pull.framing import split_endpoint
+from vllm_omni_kv.backends.pull.page_reads import PageReads, Read
+from vllm_omni_kv.backends.pull.side_channel import SideChannelClient
+from vllm_omni_kv.errors import KVTransferError, KVTransferTimeout
+from vllm_omni_kv.logger import init_logger
+
+logger = init_logger(__name__)
+
+MAX_SENT_SETS = 256
+MAX_POLL_S = 0.001
+#: pause between two rounds of aborts while a move is waited out
+ABORT_ROUND_S = 0.1
+
+
+class Notices:
+    """NIXL notifications for this agent, handed to the thread waiting for each."""
+
+    def __init__(self, agent: Any) -> None:
+        self._agent = agent
+        self._lock = threading.Lock()
+        self._waiting: dict[bytes, str] = {}  # nonce -> the producer agent it must come from
+        self._ended: dict[bytes, bytes] = {}  # nonce -> b"D" | b"E"
+        self._challenges: dict[str, bytes] = {}  # producer agent -> challenge
+
+    def expect(self, nonce: bytes, sender: str) -> None:
+        with self._lock:
+            self._waiting[nonce] = sender
+
+    def expect_challenge(self, sender: str) -> None:
+        with self._lock:
+            self._challenges[sender] = b""
+
+    def forget(self, nonces: list[bytes]) -> None:
+        with self._lock:
+            for n in nonces:
+                self._waiting.pop(n, None)
+                self._ended.pop(n, None)
+
+    def ended(self, nonce: bytes) -> bytes | None:
+        self._drain()
+        with self._lock:
+            return self._ended.get(nonce)
+
+    def challenge(self, sender: str) -> bytes | None:
+        self._drain()
+        with self._lock:
+            got = self._challenges.get(sender)
+            if got:
+                del self._challenges[sender]
+            return got or None
+
+    def _drain(self) -> None:
+        with self._lock:
+            try:
+                news = self._agent.get_new_notifs()
+            except Exception as e:
+                logger.debug("NIXL get_new_notifs: %s", e)
+                return
+            for sender, msgs in news.items():
+                name = sender.decode() if isinstance(sender, bytes) else str(sender)
+                for m in msgs:
+                    self._take(name, bytes(m))
+
+    def _take(self, sender: str, m: bytes) -> None:
+        kind, key = m[:1], m[1:]
+        if len(key) != ww.NONCE_BYTES:
+            return
+        if kind in (b"D", b"E") and self._waiting.get(key) == sender:
+            self._ended[key] = kind
+        elif kind == b"C" and sender in self._challenges:
+            self._challenges[sender] = key
+
+
+class WriteClient:
+    """Moves by producer WRITE for one agent (its ``name``, metadata and ``spans()``)."""
+
+    def __init__(
+        self,
+        agent: Any,
+        name: str,
+        spans: Callable[[], list[Span]],
+        client: SideChannelClient,
+        side_channel_timeout_s: float,
+        closed: Callable[[], bool],
+    ) -> None:
+        self._agent, self._name, self._spans, self._client = agent, name, spans, client
+        self._sc_timeout = side_channel_timeout_s
+        self._closed = closed
+        self.notices = Notices(agent)
+        self._lock = threading.Lock()
+        self._proving = threading.Lock()  # one proof at a time: each waits for its challenge
+        self._proven: set[str] = set()  # endpoints that took this agent as a sink
+        self._sets: OrderedDict[tuple[str, bytes], None] = OrderedDict()
+
+    def write_pages(self, endpoint: str, peer: str, reads: PageReads, timeout_s: float) -> None:
+        """``reads`` (remote: the producer's tables) written by the producer into ours."""
+        tid = ww.tables_id(reads.remote, reads.local)
+
+        def setup(again: bool) -> None:
+            self._prove(endpoint, peer, again)
+            if again or (endpoint, tid) not in self._sets:
+                self._ask(endpoint, ww.tables_msg(self._name, reads))
+                with self._lock:
+                    self._sets[(endpoint, tid)] = None
+                    while len(self._sets) > MAX_SENT_SETS:
+                        self._sets.popitem(last=False)
+
+        self._move(
+            endpoint, peer, ww.page_write_msgs(self._name, reads, timeout_s), setup, timeout_s
+        )
+
+    def write_ranges(self, endpoint: str, peer: str, reads: list[Read], timeout_s: float) -> None:
+        """``(local, remote, bytes)`` ranges written by the producer into ours."""
+        msgs = ww.range_write_msgs(self._name, reads, timeout_s)
+        self._move(
+            endpoint, peer, msgs, lambda again: self._prove(endpoint, peer, again), timeout_s
+        )
+
+    # -- setup -----------------------------------------------------------------------
+    def _prove(self, endpoint: str, peer: str, again: bool) -> None:
+        if not again and endpoint in self._proven:
+            return
+        with self._proving:
+            if again or endpoint not in self._proven:
+                self._prove_now(endpoint, peer)
+
+    def _prove_now(self, endpoint: str, peer: str) -> None:
+        self.notices.expect_challenge(peer)
+        self._ask(
+            endpoint, ww.sink_msg(self._name, self._agent.get_agent_metadata(), self._spans())
+        )
+        deadline = time.monotonic() + self._sc_timeout
+        delay = 0.0
+        while (challenge := self.notices.challenge(peer)) is None:
+            if time.monotonic() > deadline:
+                raise KVTransferTimeout(
+                    f"NIXL agent {peer} at {endpoint} sent no challenge within "
+                    f"{self._sc_timeout:.1f}s: it cannot reach this agent (check UCX between "
+                    "the hosts) or is not a nixl backend"
+                )
+            time.sleep(delay)
+            delay = min(MAX_POLL_S, delay + 0.00005)
+        self._ask(endpoint, ww.proof_msg(self._name, challenge))
+        with self._lock:
+            self._proven.add(endpoint)
+
+    def _ask(self, endpoint: str, msg: dict[str, Any]) -> dict[str, Any]:
+        reply = self._client.request(endpoint, msg, self._sc_timeout)
+        if not reply.get("ok"):
+            raise KVTransferError(
+                f"the producer at {endpoint} refused {msg['op']}: "
+                f"{reply.get('error') or reply.get('reason')}"
+            )
+        return reply
+
+    # -- one move --------------------------------------------------------------------
+    def _move(
+        self,
+        endpoint: str,
+        peer: str,
+        msgs: list[dict[str, Any]],
+        setup: Callable[[bool], None],
+        timeout_s: float,
+    ) -> None:
+        deadline = time.monotonic() + timeout_s
+        posted: list[bytes] = []
+        try:
+            setup(False)
+            for msg in msgs:
+                self.notices.expect(msg["nonce"], peer)
+                posted.append(msg["nonce"])
+                self._post(endpoint, msg, setup)
+            failed = self._wait(posted, deadline)
+        except BaseException:
+            self._wait_out(endpoint, posted)
+            raise
+        finally:
+            self.notices.forget(posted)
+        if failed:
+            raise KVTransferError(
+                f"NIXL agent {peer} at {endpoint} reported a failed write ({failed} of "
+                f"{len(posted)}): the producer's memory or the link failed"
+            )
+
+    def _post(self, endpoint: str, msg: dict[str, Any], setup: Callable[[bool], None]) -> None:
+        reply = self._client.request(endpoint, msg, self._sc_timeout)
+        if reply.get("reason") in ("need_sink", "need_tables"):
+            with self._lock:
+                self._proven.discard(endpoint)
+            setup(True)
+            reply = self._client.request(endpoint, msg, self._sc_timeout)
+        if not reply.get("ok"):
+            raise KVTransferError(
+                f"the producer at {endpoint} refused a write: "
+                f"{reply.get('error') or reply.get('reason')}"
+            )
+
+    def _wait(self, nonces: list[bytes], deadline: float) -> int:
+        """Wait for every write's end; the number that failed. Raises past ``deadline``."""
+        left, failed, delay = set(nonces), 0, 0.0
+        while left:
+            for n in list(left):
+                end = self.notices.ended(n)
+                if end is not None:
+                    left.discard(n)
+                    failed += end == b"E"
+            if not left:
+                break
+            if time.monotonic() > deadline or self._closed():
+                raise KVTransferTimeout(f"{len(left)} NIXL writes did not end in time")
+            time.sleep(delay)
+            delay = min(MAX_POLL_S, delay + 0.00005)
+        return failed
+
+    def _wait_out(self, endpoint: str, nonces: list[bytes]) -> None:
+        """Return once no write of ``nonces`` can still land (see the module's text)."""
+        left = [n for n in nonces if self.notices.ended(n) is None]
+        while left and not self._closed():
+            still: list[bytes] = []
+            for n in left:
+                if self.notices.ended(n) is not None:
+                    continue
+                try:
+                    reply = self._client.request(
+                        endpoint, {"op": ww.ABORT_OP, "nonce": n}, self._sc_timeout
+                    )
+                except (KVTransferError, OSError) as e:
+                    if _gone(endpoint):
+                        return
+                    logger.warning("NIXL write abort at %s not answered (%s); waiting", endpoint, e)
+                    still.append(n)
+                    continue
+                if reply.get("state") == "running" or not reply.get("ok"):
+                    still.append(n)
+            left = still
+            if left:
+                time.sleep(ABORT_ROUND_S)
+
+    def forget(self, endpoint: str | None = None) -> None:
+        """Prove this agent (and send table sets) again at ``endpoint`` (None: everywhere,
+        after this agent's registered memory changed)."""
+        with self._lock:
+            if endpoint is None:
+                self._proven.clear()
+                self._sets.clear()
+                return
+            self._proven.discard(endpoint)
+            for key in [k for k in self._sets if k[0] == endpoint]:
+                del self._sets[key]
+
+
+def _gone(endpoint: str) -> bool:
+    """Whether nothing listens at ``endpoint`` any more (connection refused)."""
+    host, port = split_endpoint(endpoint)
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
