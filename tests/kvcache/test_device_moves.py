@@ -237,6 +237,34 @@ def test_token_major_inject_costs_the_same_at_any_page_count() -> None:
     assert seen[4] == seen[64] == seen[1024]
 
 
+def test_token_major_extraction_costs_the_same_at_any_page_count() -> None:
+    """Token-major payloads out of a device cache: block ids uploaded once, each layer's K
+    and V rows one ``index_select`` (plus one copy of a partial last block) into one
+    staging buffer, then one copy out of it for the frame (on the host, recorded as a device
+    copy: no host wait; on a GPU one for the frame, ``device_staging``); the rows
+    those of the cache: token ``t`` is row ``t % block`` of block ``ids[t // block]``."""
+    seen = {}
+    for n in SIZES:
+        src, ids = _flash(300 + n), _ids(n, seed=300 + n)
+        tokens = n * BLOCK - 5  # a partial last block
+        fake = RecordingStreams()
+        with device_order.installed("cpu", fake):
+            stager = DeviceStager("cpu")
+            data = extract_request_kv("r", ids, tokens, src, layout="flash", stager=stager)
+            frame = data.to_bytes()
+        seen[n] = _recorded(fake)
+        side = stager.side
+        assert stager.gathers == 1
+        assert len(fake.queued(side, "index_select")) == 2 * LAYERS
+        assert len(fake.queued(side, "copy_")) == 1 + 2 * LAYERS + 1, "ids, tails, copy out"
+        got = KVCacheTransferData.from_bytes(frame)["layer_blocks"]
+        for layer, cache in enumerate(src):
+            for kv, name in enumerate(("key_cache", "value_cache")):
+                rows = cache[kv][ids].reshape(-1, 2, 8)[:tokens]  # vLLM's [2, blocks, bs, h, d]
+                assert torch.equal(got[name][layer], rows), (n, layer, name)
+    assert seen[4] == seen[64] == seen[1024]
+
+
 def test_a_converting_injection_builds_its_ids_once() -> None:
     """Pages of another layout (NHD payload into an HND cache) are converted token by
     token, layer by layer: the block ids go to the device once for the move, not once

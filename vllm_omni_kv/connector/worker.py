@@ -256,6 +256,7 @@ class OmniKVWorker:
             spec.num_tokens,
             token_caches(self.layers),
             metadata=md,
+            stager=self._stager,
         )
         return data, ident.page_bytes // 2
 

@@ -66,6 +66,17 @@ def canonical_device(device: torch.device | str) -> torch.device:
 
 Fill = Callable[[torch.Tensor], Iterator[int]]
 Place = Callable[[torch.Tensor], None]
+#: one staged tensor: its shape, dtype and ``gather(ids on the device, out)``
+Part = tuple[tuple[int, ...], torch.dtype, Callable[[torch.Tensor, torch.Tensor], None]]
+
+
+def _pages(pv: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """Gather of whole pages of ``pv`` (one ``index_select``)."""
+
+    def run(idx: torch.Tensor, out: torch.Tensor) -> None:
+        torch.index_select(bits(pv), 0, idx, out=bits(out))
+
+    return run
 
 
 def layer_callbacks(staged: StagedPages | None, i: int, other: Fill) -> tuple[Fill, Place | None]:
@@ -282,19 +293,17 @@ class DeviceStager:
         with self._lock:
             self._free.append(buf)
 
-    def _layout(self, page_views: Sequence[torch.Tensor | None], n: int) -> list[_Slice | None]:
-        """Each layer's place in the staging buffer: as in a frame's data section."""
+    def _layout(self, parts: Sequence[Part | None]) -> list[_Slice | None]:
+        """Each part's place in the staging buffer: as in a frame's data section."""
         slices: list[_Slice | None] = []
         off = 0
-        for pv in page_views:
-            if pv is None:
+        for part in parts:
+            if part is None:
                 slices.append(None)
                 continue
-            if pv.device != self.device:
-                raise ConfigError(f"a page view on {pv.device} given to the {self.device} stager")
-            shape = (n, *pv.shape[1:])
-            nbytes = n * math.prod(pv.shape[1:]) * pv.element_size()
-            slices.append(_Slice(off, shape, pv.dtype, nbytes))
+            shape, dtype, _gather = part
+            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            slices.append(_Slice(off, shape, dtype, nbytes))
             off = align_up(off + nbytes)
         return slices
 
@@ -303,7 +312,19 @@ class DeviceStager:
     ) -> StagedPages | None:
         """Stage pages ``ids`` of every layer's page view (``[blocks, *page]``), ordered
         after the work already queued on the current stream. None when it does not fit."""
-        slices = self._layout(page_views, len(ids))
+        parts: list[Part | None] = []
+        for pv in page_views:
+            if pv is not None and pv.device != self.device:
+                raise ConfigError(f"a page view on {pv.device} given to the {self.device} stager")
+            parts.append(None if pv is None else ((len(ids), *pv.shape[1:]), pv.dtype, _pages(pv)))
+        return self.stage(parts, ids)
+
+    def stage(self, parts: Sequence[Part | None], ids: Sequence[int]) -> StagedPages | None:
+        """Stage ``parts`` (each ``(shape, dtype, gather(ids, out))``, ``ids`` uploaded once
+        and handed to every gather as a device tensor) into one buffer laid out as a frame's
+        data section, ordered after the work already queued on the current stream. None
+        when they do not fit."""
+        slices = self._layout(parts)
         total = max((s.offset + s.nbytes for s in slices if s is not None), default=0)
         buf = self._take(max(total, 1))
         if buf is None:
@@ -311,17 +332,16 @@ class DeviceStager:
             return None
         staged = StagedPages(self, buf, slices)
         gaps = any(s.nbytes != align_up(s.nbytes) for s in slices if s is not None)
+        padded = buf[:total] if gaps else None
         if self.streams is None or self.side is None or self._scratch is None:
             idx = torch.tensor(list(ids), dtype=torch.long, device=self.device)
-            self._gather_into(staged, page_views, idx, buf[:total] if gaps else None)
+            self._gather_into(staged, parts, idx, padded)
         else:
             after_forward = mark(self.streams, self.device)
             forward = self.streams.current(self.device)
             with self.streams.use(self.side), self._scratch.use() as scratch:
                 self.side.wait_event(after_forward)
-                self._gather_into(
-                    staged, page_views, scratch.ids(ids), buf[:total] if gaps else None
-                )
+                self._gather_into(staged, parts, scratch.ids(ids), padded)
                 gathered = self.streams.event()
                 gathered.record(self.side)
             forward.wait_event(gathered)  # blocks freed after this step are read first
@@ -331,15 +351,15 @@ class DeviceStager:
     @staticmethod
     def _gather_into(
         staged: StagedPages,
-        page_views: Sequence[torch.Tensor | None],
+        parts: Sequence[Part | None],
         idx: torch.Tensor,
         padded: torch.Tensor | None,
     ) -> None:
         if padded is not None:  # the frame's padding between layers is zeros
             padded.zero_()
-        for i, pv in enumerate(page_views):
-            if pv is not None:
-                torch.index_select(bits(pv), 0, idx, out=bits(staged.layer(i)))
+        for i, part in enumerate(parts):
+            if part is not None:
+                part[2](idx, staged.layer(i))
 
     def close(self) -> None:
         """Drop the idle buffers (buffers in use return and stay until the next close)."""

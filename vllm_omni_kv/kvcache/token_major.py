@@ -20,8 +20,10 @@ from typing import Any
 import torch
 
 from vllm_omni_kv.errors import KVPayloadError
+from vllm_omni_kv.kvcache.cache_layout import bits
 from vllm_omni_kv.kvcache.device_order import streams_of
 from vllm_omni_kv.kvcache.device_scratch import thread_scratch
+from vllm_omni_kv.kvcache.device_staging import DeviceStager, Part, StagedPages, layer_callbacks
 from vllm_omni_kv.kvcache.kv_utils import LayerKV, normalize_layer_kv
 from vllm_omni_kv.kvcache.meta import TOKEN_MAJOR, PayloadMeta
 from vllm_omni_kv.kvcache.request_blocks import (
@@ -37,16 +39,68 @@ from vllm_omni_kv.wire.stream import PayloadStream, Span
 KEY, VALUE = "key_cache", "value_cache"
 
 
-def _lazy_gather(blocks: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> LazyTensor:
+def _lazy_gather(
+    blocks: torch.Tensor,
+    block_ids: torch.Tensor,
+    seq_len: int,
+    staged: StagedPages | None,
+    index: int,
+) -> LazyTensor:
     shape = request_kv_shape(blocks, seq_len)
 
-    def fill(dst: torch.Tensor) -> None:
+    def fill(dst: torch.Tensor) -> Iterator[int]:
         if dst.device == blocks.device:
             gather_request_kv(blocks, block_ids, seq_len, out=dst)
         else:  # a GPU cache into host memory: gather on the device, then one copy
             dst.copy_(gather_request_kv(blocks, block_ids.to(blocks.device), seq_len))
+        yield dst.numel() * dst.element_size()
 
-    return LazyTensor(shape, blocks.dtype, fill, blocks.device)
+    fill_, place = layer_callbacks(staged, index, fill)
+    return LazyTensor(shape, blocks.dtype, fill_, blocks.device, place)
+
+
+def _staged(
+    stager: DeviceStager | None,
+    pairs: Sequence[tuple[torch.Tensor, torch.Tensor] | None],
+    ids: list[int],
+    seq_len: int,
+) -> StagedPages | None:
+    """Every layer's K rows, then every layer's V rows (the frame's order), staged at once;
+    None without a stager for these caches' device."""
+    first = next((kv[0] for kv in pairs if kv is not None), None)
+    if stager is None or first is None or stager.device != first.device:
+        return None
+    bs, nblocks = int(first.shape[1]), int(first.shape[0])
+    needed = -(-seq_len // bs)
+    used = ids[:needed]
+    if len(used) < needed or min(used) < 0 or max(used) >= nblocks:
+        raise KVPayloadError(
+            f"{seq_len} tokens need {needed} block ids in [0, {nblocks}), got {ids[: needed + 1]}"
+        )
+    parts: list[Part | None] = [None] * (2 * len(pairs))
+    for i, kv in enumerate(pairs):
+        for j, blocks in enumerate(kv or ()):
+            rows = (seq_len, *request_kv_shape(blocks, seq_len)[1:])
+            parts[j * len(pairs) + i] = (rows, blocks.dtype, _token_rows(blocks, seq_len, used[-1]))
+    return stager.stage(parts, used)
+
+
+def _token_rows(
+    blocks: torch.Tensor, seq_len: int, last: int
+) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """Gather of the first ``seq_len`` token rows of the blocks ``idx`` names (full blocks
+    with one ``index_select``, the tail of block ``last`` with one copy): no host wait."""
+    bs, h, d = (int(x) for x in blocks.shape[1:])
+    full, tail = divmod(seq_len, bs)
+
+    def run(idx: torch.Tensor, out: torch.Tensor) -> None:
+        src, dst = bits(blocks), bits(out)
+        if full:
+            torch.index_select(src, 0, idx[:full], out=dst[: full * bs].view(full, bs, h, d))
+        if tail:
+            dst[full * bs :].copy_(src[last][:tail])
+
+    return run
 
 
 def extract_request_kv(
@@ -58,39 +112,40 @@ def extract_request_kv(
     metadata: dict[str, Any] | None = None,
     lazy: bool = True,
     layout: str | None = None,
+    stager: DeviceStager | None = None,
 ) -> KVCacheTransferData:
     """One request's KV as ``[seq_len, heads, dim]`` per layer (``None`` for absent layers).
 
     ``lazy=True`` defers the gather to packing time (one copy, straight into the
-    transport buffer); ``lazy=False`` materialises the tensors now.
+    transport buffer); ``lazy=False`` materialises the tensors now. With ``stager`` (a
+    cache on its device) every layer's K and V rows are gathered at once into its staging
+    buffer (block ids uploaded once, no host wait) and packing copies them out of it.
     """
     if seq_len <= 0:
         raise KVPayloadError(f"request {request_id}: seq_len must be positive, got {seq_len}")
     ids = [int(b) for b in block_ids]
     ids_t = torch.tensor(ids, dtype=torch.long)  # built once, shared by every layer
+    pairs: list[tuple[torch.Tensor, torch.Tensor] | None] = [
+        None
+        if layer is None
+        else normalize_layer_kv(layer, req_id=request_id, layer_idx=idx, layout=layout)
+        for idx, layer in enumerate(kv_caches)
+    ]
+    first = next((kv[0] for kv in pairs if kv is not None), None)
+    if first is None:
+        raise KVPayloadError(f"request {request_id}: no layer has a usable KV cache to extract")
+    block_size = int(first.shape[1])
+    staged = _staged(stager, pairs, ids, seq_len) if lazy else None
     keys: list[Any] = []
     values: list[Any] = []
-    block_size = 0
-    for idx, layer in enumerate(kv_caches):
-        kv = (
-            None
-            if layer is None
-            else normalize_layer_kv(layer, req_id=request_id, layer_idx=idx, layout=layout)
-        )
-        if kv is None:
-            keys.append(None)
-            values.append(None)
-            continue
-        k_blocks, v_blocks = kv
-        block_size = int(k_blocks.shape[1])
-        if lazy:
-            keys.append(_lazy_gather(k_blocks, ids_t, seq_len))
-            values.append(_lazy_gather(v_blocks, ids_t, seq_len))
-        else:
-            keys.append(gather_request_kv(k_blocks, ids_t, seq_len))
-            values.append(gather_request_kv(v_blocks, ids_t, seq_len))
-    if not block_size:
-        raise KVPayloadError(f"request {request_id}: no layer has a usable KV cache to extract")
+    for i, kv in enumerate(pairs):
+        for j, (out, blocks) in enumerate(zip((keys, values), kv or (None, None), strict=True)):
+            if blocks is None:
+                out.append(None)
+            elif lazy:
+                out.append(_lazy_gather(blocks, ids_t, seq_len, staged, j * len(pairs) + i))
+            else:
+                out.append(gather_request_kv(blocks, ids_t, seq_len))
     meta = PayloadMeta(TOKEN_MAJOR, int(seq_len), block_size, int(seq_len), len(keys))
     md = {"seq_len": int(seq_len), **meta.to_dict(**(metadata or {}))}
     return KVCacheTransferData(request_id, {KEY: keys, VALUE: values}, ids, md)

@@ -1,7 +1,9 @@
 """Prefill/decode through real vLLM engines over the nixl backend: token equality.
 
 The producer engine stages each request's KV in its NIXL-registered pool; the consumer
-engine leases it over the side channel and pulls it with NIXL (UCX) before decoding.
+engine leases it over the side channel and has the producer WRITE it into its own pool
+(``nixl_direction: write``; the READ direction runs through engines in
+``tests/connector/test_serve_one_copy.py[nixl_cache]``) before decoding.
 """
 
 from __future__ import annotations
@@ -45,7 +47,12 @@ def pd(tiny_model_dir: Path) -> Iterator[PullPD]:
         "recompute",
         backend="nixl",
         recv_timeout=RECV_TIMEOUT,
-        backend_extra={**common, "role": "receiver", "side_channel_timeout_s": 1.0},
+        backend_extra={
+            **common,
+            "role": "receiver",
+            "side_channel_timeout_s": 1.0,
+            "nixl_direction": "write",
+        },
     )
     with pull_pd(tiny_model_dir, "nixl", prod_ktc, cons_ktc, seed=31) as pd:
         yield pd
