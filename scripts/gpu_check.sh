@@ -152,9 +152,10 @@ run() {
 }
 
 # NIXL (nixl-cu13, VRAM): device pools and register_cache of CUDA caches, tested, then
-# measured with UCX_TLS unset and set to NIXL_TLS
+# measured with UCX_TLS unset and set to NIXL_TLS (device pools: nixl_direction auto, so the
+# sender WRITEs; register_cache: READ, and the sender's WRITE in region_bench_nixl_write)
 nixl_steps() {
-  local out=$1 names="nixl_tests nixl_bench nixl_bench_tls region_bench_nixl region_bench_nixl_tls" n
+  local out=$1 names="nixl_tests nixl_bench nixl_bench_tls region_bench_nixl region_bench_nixl_tls region_bench_nixl_write" n
   if [ "$NIXL_SITE" -ne 1 ]; then
     skip nixl_import "scripts/gpu_nodeps.txt did not install"
   else
@@ -176,6 +177,9 @@ nixl_steps() {
     --out "$out/region_bench_nixl.json"
   step region_bench_nixl_tls 60 env UCX_TLS="$NIXL_TLS" "$PY" "${region[@]}" \
     --out "$out/region_bench_nixl_tls.json"
+  # the producer WRITEs into the consumer's cache (nixl_bench's device pools do by default)
+  step region_bench_nixl_write 60 env -u UCX_TLS "$PY" benchmarks/region_bench.py \
+    --backend nixl_cache_write --device cuda --sizes 16 64 --out "$out/region_bench_nixl_write.json"
 }
 
 # sourced (tests/test_gpu_check.py): the functions only

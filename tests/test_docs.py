@@ -16,6 +16,7 @@ GPU_OUTPUTS = {
     "gpu_copy_bench.json",
     *(f"{n}.json" for n in ("nixl_bench_cuda", "nixl_bench_cuda_tls", "region_bench_nixl")),
     "region_bench_nixl_tls.json",
+    "region_bench_nixl_write.json",
 }
 #: repository paths as the pages write them (in backticks), optionally with ``::test``
 PATH = re.compile(

@@ -219,7 +219,7 @@ def test_nixl_is_pinned_at_the_version_the_cpu_environment_runs() -> None:
 
 def test_every_step_runs_within_the_deadline_and_the_nixl_steps_are_recorded() -> None:
     """Sourced, the check's ``step`` records exit statuses (124: its limit), cuts a limit to
-    the time left and skips a step past the deadline; without NIXL its five steps are
+    the time left and skips a step past the deadline; without NIXL its six steps are
     recorded as skipped, not left out."""
     script = (
         "source scripts/gpu_check.sh; DEADLINE=$(($(date +%s) + 40)); "
@@ -234,5 +234,6 @@ def test_every_step_runs_within_the_deadline_and_the_nixl_steps_are_recorded() -
     assert rows == [
         "ok 0", "bad 1", "hang 124", "cut 0", "late skipped", "nixl_import skipped",
         "nixl_tests skipped", "nixl_bench skipped", "nixl_bench_tls skipped",
-        "region_bench_nixl skipped", "region_bench_nixl_tls skipped", "failed=1",
+        "region_bench_nixl skipped", "region_bench_nixl_tls skipped",
+        "region_bench_nixl_write skipped", "failed=1",
     ]  # fmt: skip
