@@ -39,6 +39,8 @@ MAX_SENT_SETS = 256
 MAX_POLL_S = 0.001
 #: pause between two rounds of aborts while a move is waited out
 ABORT_ROUND_S = 0.1
+#: pause before a request the producer answered ``busy`` is sent again
+BUSY_RETRY_S = 0.002
 
 
 class Notices:
@@ -198,7 +200,7 @@ class WriteClient:
             for msg in msgs:
                 self.notices.expect(msg["nonce"], peer)
                 posted.append(msg["nonce"])
-                self._post(endpoint, msg, setup)
+                self._post(endpoint, msg, setup, deadline)
             failed = self._wait(posted, deadline)
         except BaseException:
             self._wait_out(endpoint, posted)
@@ -211,18 +213,29 @@ class WriteClient:
                 f"{len(posted)}): the producer's memory or the link failed"
             )
 
-    def _post(self, endpoint: str, msg: dict[str, Any], setup: Callable[[bool], None]) -> None:
-        reply = self._client.request(endpoint, msg, self._sc_timeout)
+    def _post(
+        self, endpoint: str, msg: dict[str, Any], setup: Callable[[bool], None], deadline: float
+    ) -> None:
+        reply = self._request(endpoint, msg, deadline)
         if reply.get("reason") in ("need_sink", "need_tables"):
             with self._lock:
                 self._proven.discard(endpoint)
             setup(True)
-            reply = self._client.request(endpoint, msg, self._sc_timeout)
+            reply = self._request(endpoint, msg, deadline)
         if not reply.get("ok"):
             raise KVTransferError(
                 f"the producer at {endpoint} refused a write: "
                 f"{reply.get('error') or reply.get('reason')}"
             )
+
+    def _request(self, endpoint: str, msg: dict[str, Any], deadline: float) -> dict[str, Any]:
+        """``msg``'s reply; sent again while the producer answers ``busy`` (not run), until
+        ``deadline``."""
+        while True:
+            reply = self._client.request(endpoint, msg, self._sc_timeout)
+            if reply.get("reason") != "busy" or time.monotonic() > deadline:
+                return reply
+            time.sleep(BUSY_RETRY_S)
 
     def _wait(self, nonces: list[bytes], deadline: float) -> int:
         """Wait for every write's end; the number that failed. Raises past ``deadline``."""

@@ -150,6 +150,11 @@ def _bytes(msg: dict[str, Any], key: str, most: int, exact: int | None = None) -
     return _blob(msg.get(key), key, most, exact)
 
 
+def nonce_of(msg: dict[str, Any]) -> bytes:
+    """The nonce of a ``nixl_write_abort``."""
+    return _bytes(msg, "nonce", NONCE_BYTES, NONCE_BYTES)
+
+
 def agent_of(msg: dict[str, Any]) -> str:
     v = msg.get("agent")
     if not isinstance(v, str) or not 0 < len(v) <= MAX_NAME or not v.isprintable():

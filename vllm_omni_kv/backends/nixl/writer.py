@@ -225,7 +225,7 @@ class Writer:
             self._lock.notify()
 
     def _abort(self, msg: dict[str, Any]) -> dict[str, Any]:
-        nonce = ww._bytes(msg, "nonce", ww.NONCE_BYTES, ww.NONCE_BYTES)
+        nonce = ww.nonce_of(msg)
         with self._lock:
             run = self._running.get(nonce)
             if run is None:
