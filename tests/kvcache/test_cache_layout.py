@@ -73,6 +73,21 @@ def test_layout_identity_round_trips_and_compares() -> None:
         _ident(packing="kt_v", layout="LBNHC")
 
 
+def test_identities_read_again_are_shared_yet_checked_each_time() -> None:
+    """``from_dict`` keeps the identities it read: the same fields give the same frozen
+    object, and a mapping that differs only in a field's type is still refused."""
+    d = _ident().to_dict()
+    assert KVLayoutId.from_dict(dict(d)) is KVLayoutId.from_dict(dict(d))
+    for field, bad in (("element_size", True), ("block_size", 16.0), ("dtype", 7)):
+        with pytest.raises(KVPayloadError, match=f"field {field!r}"):
+            KVLayoutId.from_dict({**d, field: bad})
+    with pytest.raises(KVPayloadError, match="invalid"):  # refused the same way twice
+        KVLayoutId.from_dict({**d, "kernel_block_size": 5})
+    with pytest.raises(KVPayloadError, match="invalid"):
+        KVLayoutId.from_dict({**d, "kernel_block_size": 5})
+    assert KVLayoutId.from_dict({**d, "unknown": [1]}) == _ident()
+
+
 def test_layout_flash_split_is_vllms() -> None:
     """K is C[..., :D] and V C[..., D:] per token, as FlashAttention splits the view."""
     e = EmulatedEngine(backend="FLASH_ATTN", layout="LBNHC", device=DEVICE)

@@ -37,7 +37,8 @@ from vllm_omni_kv.kvcache.cache_layout import KVLayoutId, page_view
 from vllm_omni_kv.kvcache.device_order import settle, streams_of
 from vllm_omni_kv.kvcache.move_plan import MovePlan, Part
 from vllm_omni_kv.kvcache.movers import move
-from vllm_omni_kv.kvcache.shared_pages import PageCopy, attach_layers
+from vllm_omni_kv.kvcache.page_view_cache import PageViewCache
+from vllm_omni_kv.kvcache.shared_pages import PageCopy, attach_layers, same_geometry
 from vllm_omni_kv.logger import init_logger
 
 logger = init_logger(__name__)
@@ -119,7 +120,9 @@ class CacheRegion(ABC):
     kind: str = ""
     #: consumer: the page views of the last producer region copied from, per geometry
     #: (see copy_into)
-    _views: dict[Any, tuple[torch.Tensor, list[torch.Tensor]]]
+    _views: dict[Any, tuple[torch.Tensor, list[tuple[Any, list[torch.Tensor]]]]]
+    #: consumer: the page views of its own layer tensors it copies into
+    _local_pages: PageViewCache
     #: whether the producer adds a digest per page, which consumers verify after copying
     #: (the backend setting ``verify_pages``, host caches only: a GPU cache would need a
     #: device-to-host copy to hash). Off by default: the hold already keeps the pages
@@ -268,6 +271,8 @@ class CacheRegion(ABC):
         if not self.asleep:
             self.generation += 1
             self._views = {}
+            if getattr(self, "_local_pages", None) is not None:
+                self._local_pages.clear()
             self._withdraw()
 
     def wake(self) -> None:
@@ -322,25 +327,34 @@ class CacheRegion(ABC):
         except BaseException:
             self._views = {}  # a dead producer's mapping must not stay pinned by our views
             raise
+        local = getattr(self, "_local_pages", None)
+        if local is None:
+            local = self._local_pages = PageViewCache()
         parts: list[Part] = [
-            (self._producer_pages(base, c), [page_view(x, c.ident) for x in c.caches],
+            (self._producer_pages(base, c), local.pages(c.caches, c.ident),
              c.pairs, c.sums, c.first)
             for c in copies
         ]  # fmt: skip
         return move(MovePlan.stacked(parts), wait)
 
     def _producer_pages(self, base: torch.Tensor, c: PageCopy) -> list[torch.Tensor]:
-        """The producer's page views of ``c`` over the mapped ``base`` (kept per geometry
-        while that mapping lasts)."""
-        key = (id(base), repr(c.geometry), c.ident, c.caches[0].dtype)
-        hit = getattr(self, "_views", {}).get(key)
-        if hit is None or hit[0] is not base:
-            src = attach_layers(base, c.geometry, c.ident, c.caches[0].dtype)
-            hit = (base, [page_view(v, c.ident) for v in src])
-            # one producer's views (one set per layer group): they stay valid while mapped
-            kept = {k: v for k, v in getattr(self, "_views", {}).items() if v[0] is base}
-            self._views = {**dict(list(kept.items())[-7:]), key: hit}
-        return hit[1]
+        """The producer's page views of ``c`` over the mapped ``base``, kept per geometry
+        (compared by value) while that mapping lasts: at most 8 sets (one per layer
+        group), all over ``base``."""
+        key = (id(base), c.ident, c.caches[0].dtype)
+        views = getattr(self, "_views", {})
+        hit = views.get(key)
+        if hit is not None and hit[0] is base:
+            for geometry, pages in hit[1]:
+                if same_geometry(geometry, c.geometry):
+                    return pages
+        src = attach_layers(base, c.geometry, c.ident, c.caches[0].dtype)  # checks it
+        pages = [page_view(v, c.ident) for v in src]
+        own = [[g[0], list(g[1]), list(g[2])] for g in c.geometry]  # a copy: ours alone
+        sets = hit[1][-7:] if hit is not None and hit[0] is base else []
+        kept = {k: v for k, v in views.items() if v[0] is base and k != key}
+        self._views = {**kept, key: (base, [*sets, (own, pages)])}
+        return pages
 
     @abstractmethod
     def reading(self, hold: Any) -> AbstractContextManager[Any]:

@@ -176,8 +176,8 @@ class KVLayoutId:
 
     @classmethod
     def from_dict(cls, d: Any) -> KVLayoutId:
-        kinds = {f.name: str if f.type == "str" else int for f in fields(cls)}
-        if not isinstance(d, dict) or not set(kinds) - {"backend"} <= set(d):
+        kinds = _field_kinds(cls)
+        if not isinstance(d, dict) or not set(kinds) - {"backend"} <= d.keys():
             raise KVPayloadError(f"paged-blocks payload has no valid layout identity: {d!r}")
         for k, kind in kinds.items():
             if k in d and (type(d[k]) is not kind):
@@ -185,10 +185,34 @@ class KVLayoutId:
                     f"paged-blocks payload layout identity field {k!r} is not a {kind.__name__}: "
                     f"{d[k]!r}"
                 )
+        known = {k: v for k, v in d.items() if k in kinds}  # str and int values: hashable
+        key = (cls, tuple(known.items()))
+        hit = _IDENTS.get(key)
+        if hit is not None:
+            return hit
         try:
-            return cls(**{k: v for k, v in d.items() if k in kinds})
+            ident = cls(**known)
         except (ConfigError, TypeError) as e:
             raise KVPayloadError(f"paged-blocks payload layout identity is invalid: {e}") from None
+        if len(_IDENTS) >= 64:
+            _IDENTS.clear()
+        _IDENTS[key] = ident
+        return ident
+
+
+#: identities read by ``KVLayoutId.from_dict``, by their fields (frozen values: shared)
+_IDENTS: dict[tuple[type, tuple[tuple[str, Any], ...]], KVLayoutId] = {}
+
+
+def _field_kinds(cls: type[KVLayoutId]) -> dict[str, type]:
+    """``{field: str or int}`` of the identity's fields (computed once)."""
+    kinds = _KINDS.get(cls)
+    if kinds is None:
+        kinds = _KINDS[cls] = {f.name: str if f.type == "str" else int for f in fields(cls)}
+    return kinds
+
+
+_KINDS: dict[type, dict[str, type]] = {}
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -283,13 +307,14 @@ def block_kv(view: torch.Tensor, ident: KVLayoutId) -> tuple[torch.Tensor, torch
 def dense_pages(pv: torch.Tensor, host: bool = True) -> bool:
     """True when each page of ``pv`` (a :func:`page_view`) is one run of host memory (of
     memory on any device, with ``host=False``)."""
-    if host and pv.device.type != "cpu":
+    if host and not pv.is_cpu:
         return False
+    shape, stride = pv.shape, pv.stride()
     expect = 1
-    for size, stride in reversed(list(zip(pv.shape[1:], pv.stride()[1:], strict=True))):
-        if size > 1 and stride != expect:
+    for i in range(len(shape) - 1, 0, -1):
+        if shape[i] > 1 and stride[i] != expect:
             return False
-        expect *= size
+        expect *= shape[i]
     return True
 
 

@@ -111,7 +111,8 @@ def streams_of(device: torch.device | str | None) -> Streams | None:
     unless a test installed a recording implementation for it)."""
     if device is None:
         return None
-    return _by_type.get(torch.device(device).type)
+    kind = device.type if isinstance(device, torch.device) else torch.device(device).type
+    return _by_type.get(kind)
 
 
 @contextlib.contextmanager

@@ -96,6 +96,7 @@ class MovePlan:
     sums: Sequence[Sequence[int] | None] | None = None
     what: str = "shared-pages payload"
     groups: list[PlanGroup] = field(init=False)
+    _per: list[int] = field(init=False, default_factory=list)  # page bytes per grouped layer
     _host_ids: torch.Tensor | None = field(init=False, default=None)
     _uploaded: dict[str, torch.Tensor] = field(init=False, default_factory=dict)
 
@@ -106,6 +107,7 @@ class MovePlan:
                 "layers (serve both stages with the same model)"
             )
         self.groups = []
+        self._per = [0] * len(self.src)
         seen: set[int] = set()
         col = 0
         for p in self.pages:
@@ -155,25 +157,28 @@ class MovePlan:
 
     def _check(self, layers: list[int], pairs: list[Pair]) -> None:
         s_ids, d_ids = [s for s, _ in pairs], [d for _, d in pairs]
-        n_src = min(int(self.src[i].shape[0]) for i in layers)
-        n_dst = min(int(self.dst[i].shape[0]) for i in layers)
+        shapes = [(self.src[i].shape, self.dst[i].shape) for i in layers]
+        n_src, n_dst = min(int(s[0]) for s, _ in shapes), min(int(d[0]) for _, d in shapes)
         if min(s_ids) < 0 or max(s_ids) >= n_src or min(d_ids) < 0 or max(d_ids) >= n_dst:
             raise KVPayloadError(
                 f"{self.what}: source pages {min(s_ids)}..{max(s_ids)} of the producer's "
                 f"{n_src} or destination pages {min(d_ids)}..{max(d_ids)} of {n_dst} lie "
                 "outside a cache (a corrupt payload)"
             )
-        for i in layers:
-            sp, dp = self.src[i], self.dst[i]
-            if sp.shape[1:] != dp.shape[1:] or sp.element_size() != dp.element_size():
+        for i, (ss, ds) in zip(layers, shapes, strict=True):
+            page, esize, d_esize = ss[1:], self.src[i].element_size(), self.dst[i].element_size()
+            if page != ds[1:] or esize != d_esize:
                 raise KVPayloadError(
-                    f"{self.what}: layer {i}'s pages {tuple(sp.shape[1:])} x "
-                    f"{sp.element_size()} B do not fit the local {tuple(dp.shape[1:])} x "
-                    f"{dp.element_size()} B (serve both stages with the same KV layout)"
+                    f"{self.what}: layer {i}'s pages {tuple(page)} x {esize} B do not fit the "
+                    f"local {tuple(ds[1:])} x {d_esize} B (serve both stages with the same "
+                    "KV layout)"
                 )
+            self._per[i] = math.prod(page) * esize
 
     def page_bytes(self, layer: int) -> int:
         """Bytes of one page of ``layer``."""
+        if self._per[layer]:
+            return self._per[layer]
         pv = self.src[layer]
         return math.prod(pv.shape[1:]) * pv.element_size()
 

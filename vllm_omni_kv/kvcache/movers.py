@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -45,6 +45,7 @@ from vllm_omni_kv.kvcache.page_digests import page_digests, verify_digests
 VERIFY_STEP = 1 << 20
 
 Slot = tuple[int, int, int]  # (group index, layer, byte offset in the staging buffer)
+Native = tuple[int, int, int]  # a host page view as (base address, page stride, pages)
 
 
 class Mover(Protocol):
@@ -66,12 +67,12 @@ def byte_rows(pv: torch.Tensor) -> torch.Tensor:
     return rows.flatten(1) if dense_pages(pv, host=False) and pv.dim() > 2 else rows
 
 
-def _native(pv: torch.Tensor, per: int) -> tuple[int, int, int] | None:
+def _native(pv: torch.Tensor, per: int) -> Native | None:
     """``(base, page stride, pages)`` of a host page view the native copy can address."""
-    stride = pv.stride(0) * pv.element_size()
-    if pv.device.type != "cpu" or not dense_pages(pv) or stride < per:
+    if not pv.is_cpu or not dense_pages(pv, host=False):
         return None
-    return pv.data_ptr(), stride, int(pv.shape[0])
+    stride = pv.stride(0) * pv.element_size()
+    return None if stride < per else (pv.data_ptr(), stride, int(pv.shape[0]))
 
 
 def _slots(plan: MovePlan) -> tuple[list[Slot], int]:
@@ -112,14 +113,29 @@ class HostMover:
     """host -> host: the native copy, one call per layer."""
 
     def move(self, plan: MovePlan, wait: bool = False) -> int:
+        """Every layer's addresses first, then the unverified native copies back to back
+        (no Python work between them evicts what the next copy reads)."""
         stream = plan.nbytes >= STREAM_MIN_BYTES
-        return sum(self._layer(plan, gi, layer, stream) for gi, g in enumerate(plan.groups)
-                   for layer in g.layers)  # fmt: skip
+        native: list[tuple[Native, Native, int, Any]] = []
+        moved = 0
+        for gi, g in enumerate(plan.groups):
+            for layer in g.layers:
+                per = plan.page_bytes(layer)
+                s, d = _native(plan.src[layer], per), _native(plan.dst[layer], per)
+                if s is not None and d is not None and plan.digests(layer) is None:
+                    native.append((d, s, per, g.table))
+                else:
+                    moved += self._layer(plan, gi, layer, s, d)
+        for d, s, per, table in native:
+            moved += copy_runs(d, s, per, table, stream)
+        return moved
 
-    def _layer(self, plan: MovePlan, gi: int, layer: int, stream: bool) -> int:
+    def _layer(
+        self, plan: MovePlan, gi: int, layer: int, s: Native | None, d: Native | None
+    ) -> int:
+        """A layer with strided pages (one gather and scatter) or digests to verify."""
         g, per = plan.groups[gi], plan.page_bytes(layer)
         sp, dp, sums = plan.src[layer], plan.dst[layer], plan.digests(layer)
-        s, d = _native(sp, per), _native(dp, per)
         if s is None or d is None:  # strided pages: one gather and scatter
             si, di = plan.indices(sp.device)[gi]
             byte_rows(dp).index_copy_(0, di, byte_rows(sp).index_select(0, si))
@@ -127,8 +143,7 @@ class HostMover:
                 got = page_digests(dp, [b for _, b in g.pairs])
                 verify_digests(got, sums, g.first, layer, plan.what)
             return len(g.pairs) * per
-        if sums is None:
-            return copy_runs(d, s, per, g.table, stream)
+        assert sums is not None  # an unverified native layer is copied by move()
         step = max(1, VERIFY_STEP // per) if s[1] == per == d[1] else 1
         for i0, s0, d0, n in g.runs:
             for j in range(0, n, step):

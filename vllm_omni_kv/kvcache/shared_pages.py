@@ -71,6 +71,20 @@ def is_layer_geometry(g: Any) -> bool:
     )
 
 
+_FOUR_INTS = [int] * 4
+
+
+def same_geometry(checked: Geometry, got: Any) -> bool:
+    """Whether ``got`` is ``checked`` (a geometry :func:`attach_layers` accepted) in value
+    and in type: equal lists of exact ints (no bool or float standing in for one)."""
+    if checked != got:
+        return False  # equal from here: lists wherever ``checked`` has a list
+    return all(
+        type(g[0]) is int and list(map(type, g[1])) == _FOUR_INTS == list(map(type, g[2]))
+        for g in got
+    )
+
+
 def attach_layers(
     region: torch.Tensor, geometry: Any, ident: KVLayoutId, dtype: torch.dtype
 ) -> list[torch.Tensor]:

@@ -166,22 +166,22 @@ def parse(
 
 def _check_depth(tree: Any) -> None:
     """Refuse headers nested deeper than :data:`MAX_DEPTH` (checked without recursion, so
-    later recursive walks of the tree stay far from Python's recursion limit)."""
-    stack: list[tuple[Any, int]] = [(tree, 0)]
-    while stack:
-        node, depth = stack.pop()
-        if isinstance(node, dict):
-            children: Any = node.values()
-        elif isinstance(node, list):
-            children = node
-        else:
-            continue
+    later recursive walks of the tree stay far from Python's recursion limit). Walks
+    one level at a time: ``level`` holds the lists/maps at depth ``depth``."""
+    level = [tree] if isinstance(tree, (dict, list)) else []
+    depth = 0
+    while level:
         if depth >= MAX_DEPTH:
             raise KVPayloadError(
                 f"frame header nests lists/maps deeper than {MAX_DEPTH} levels: not a "
                 "vllm-omni-kv payload"
             )
-        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+        below: list[Any] = []
+        for node in level:
+            for c in node.values() if isinstance(node, dict) else node:
+                if isinstance(c, (dict, list)):
+                    below.append(c)
+        level, depth = below, depth + 1
 
 
 def _resolve(tree: Any, tensors: Sequence[Any], blobs: Sequence[Any]) -> Any:
@@ -201,6 +201,8 @@ def materialize(mv: memoryview, info: FrameInfo) -> Any:
     """The object of a parsed frame: tensors are zero-copy views of ``mv`` (valid once
     their bytes are), byte blobs are copied now (so their chunks must be final)."""
     base = info.data_start
+    if not info.tensors and not info.blobs:  # a header-only frame (a shared-pages payload)
+        return _resolve(info.tree, [], []) if info.refs else info.tree
     views: list[torch.Tensor] = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # read-only buffers are fine for views

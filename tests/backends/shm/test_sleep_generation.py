@@ -20,7 +20,7 @@ import torch
 from vllm_omni_kv.backends.shm import arena
 from vllm_omni_kv.backends.shm.cache_region import ShmCacheRegion
 from vllm_omni_kv.backends.shm.producer import ProducerArena
-from vllm_omni_kv.errors import KVTransferError
+from vllm_omni_kv.errors import KVPayloadError, KVTransferError
 from vllm_omni_kv.kvcache.cache_layout import infer_identity
 from vllm_omni_kv.kvcache.shared_pages import layer_geometry
 
@@ -155,3 +155,55 @@ def test_a_consumers_sleep_unmaps_the_producers_cache(pair: Pair) -> None:
     pair.mine[1].zero_()
     pair.copy(desc, geometry, pair.prod.hold("p", "d", "two"))  # mapped again on demand
     assert pair.holds(seed=4)
+
+
+def test_kept_views_never_outlive_the_mapping_or_generation_they_were_made_for(ns: str) -> None:
+    """The consumer keeps the producer's page views per mapping and geometry across moves.
+    A restarted producer (a new cache segment, the same geometry) is copied from through
+    views of its own mapping, never through those of the one before; a mapping kept
+    across a sleep still refuses the old generation, and copies the new one exactly."""
+    first = Pair(ns)
+    first.write(seed=5)
+    desc, geometry = first.export()
+    first.copy(desc, geometry, first.prod.hold("p", "d", "a"))
+    assert first.holds(seed=5)
+    first.prod.sleep()
+    first.prod.wake()
+    first.write(seed=7)
+    with pytest.raises(KVTransferError, match="generation 0.*generation 2"):
+        first.copy(desc, geometry, first.prod.hold("p", "d", "old"))
+    desc2, _ = first.export()
+    first.copy(desc2, geometry, first.prod.hold("p", "d", "new"))
+    assert first.holds(seed=7)
+    second = Pair(ns)  # the restarted producer; first.cons stays the consumer
+    try:
+        second.write(seed=6)
+        desc3, geometry3 = second.export()
+        assert geometry3 == geometry and desc3["name"] != desc["name"]
+        first.prod.close()
+        first.pa.close()  # the first producer's segment is gone
+        for m in first.mine:
+            m.zero_()
+        first.copy(desc3, [list(g) for g in geometry3], second.prod.hold("p", "d", "b"))
+        assert first.holds(seed=6), "a move read the previous producer's pages"
+    finally:
+        second.close()
+        first.close()
+
+
+def test_a_kept_geometry_matches_only_exact_ints(pair: Pair) -> None:
+    """A payload's geometry equal in value to one the consumer keeps views for, but with a
+    float or a bool for an int, is refused as before any views were kept."""
+    pair.write(seed=8)
+    desc, geometry = pair.export()
+    pair.copy(desc, geometry, pair.prod.hold("p", "d", "a"))  # its views are kept now
+    forged = [
+        [[float(g[0]), g[1], g[2]] for g in geometry],
+        [[g[0], g[1], [*g[2][:3], True if g[2][3] == 1 else float(g[2][3])]] for g in geometry],
+    ]
+    for bad in forged:
+        assert bad == geometry
+        with pytest.raises(KVPayloadError, match="geometry"):
+            pair.copy(desc, bad, pair.prod.hold("p", "d", f"forged{forged.index(bad)}"))
+    pair.copy(desc, [list(g) for g in geometry], pair.prod.hold("p", "d", "b"))
+    assert pair.holds(seed=8)

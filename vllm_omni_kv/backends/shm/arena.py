@@ -45,12 +45,12 @@ Files of dead processes are swept by :func:`sweep_orphans`.
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import mmap
 import os
 import stat
 import time
-import uuid
 from dataclasses import dataclass
 
 import msgpack
@@ -129,6 +129,7 @@ def size_class(n: int) -> int:
     return (n + step - 1) // step * step
 
 
+@functools.lru_cache(maxsize=64)
 def namespace_tag(namespace: str) -> str:
     """The short tag every file of ``namespace`` carries in its name."""
     return hashlib.blake2b(namespace.encode(), digest_size=4).hexdigest()
@@ -297,7 +298,7 @@ def read_entry(name: str) -> bytes:
 def claim_index(name: str) -> bytes | None:
     """Atomically take the index entry ``name``; None when absent. ``KVPayloadError`` for
     an entry that is no regular file of this user (see :func:`read_entry`)."""
-    claimed = f"{name}.claim{os.getpid()}_{uuid.uuid4().hex[:12]}"
+    claimed = f"{name}.claim{os.getpid()}_{os.urandom(6).hex()}"
     try:
         os.rename(path(name), path(claimed))
     except FileNotFoundError:

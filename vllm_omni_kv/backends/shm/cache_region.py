@@ -65,6 +65,7 @@ EXPIRED = b"\0expired"
 SLEPT = b"\0asleep_"
 #: where the KV bytes start in a cache segment (one page after the slot header)
 KV_OFFSET = 4096
+_SLOT_HEAD = struct.Struct(f"<{arena.SLOT_WORDS}Q")
 
 
 class HoldFiles:
@@ -378,7 +379,7 @@ class ShmCacheRegion(HoldFiles, CacheRegion):
         return view
 
     def _alive(self, name: str, mm: mmap.mmap) -> bool:
-        words = struct.unpack_from(f"<{arena.SLOT_WORDS}Q", mm)
+        words = _SLOT_HEAD.unpack_from(mm)
         return owner_alive(words, arena._owner_pid(name), self.stale_s)
 
     def _not_alive(self, name: str) -> KVTransferError:
