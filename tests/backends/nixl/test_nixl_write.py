@@ -5,10 +5,12 @@ out (the consumer's memory stays held) and a dead one ends the wait."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import threading
 import time
+import weakref
 from typing import Any
 
 import numpy as np
@@ -183,3 +185,18 @@ def test_page_writes_post_once_per_group_whatever_the_pages() -> None:
     finally:
         receiver.close()
         sender.close()
+
+
+def test_closed_connectors_let_go_of_their_agents_at_once() -> None:
+    """After writes both ways, closing destroys each NIXL agent without waiting for the
+    garbage collector (an agent's UCX progress thread busy-polls while it lives)."""
+    sender, receiver = _conn("sender"), _conn("receiver", nixl_direction="write")
+    assert pull_round_trip(sender, receiver) is None
+    agents = [weakref.ref(c.engine.agent) for c in (sender, receiver)]  # type: ignore[attr-defined]
+    gc.disable()
+    try:
+        receiver.close()
+        sender.close()
+        assert [a() for a in agents] == [None, None]
+    finally:
+        gc.enable()

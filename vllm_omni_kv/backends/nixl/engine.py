@@ -441,4 +441,5 @@ class NixlEngine:
             except Exception as e:
                 logger.debug("deregister_memory at close: %s", e)
         self._client.close()
-        self.agent = None
+        self._writes.close()
+        self.agent = None  # the last reference: the agent and its progress thread go now

@@ -278,6 +278,10 @@ class WriteClient:
             if left:
                 time.sleep(ABORT_ROUND_S)
 
+    def close(self) -> None:
+        """Let go of the agent (its engine is closing)."""
+        self._agent = self.notices._agent = None
+
     def forget(self, endpoint: str | None = None) -> None:
         """Prove this agent (and send table sets) again at ``endpoint`` (None: everywhere,
         after this agent's registered memory changed)."""

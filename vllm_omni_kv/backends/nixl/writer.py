@@ -290,7 +290,8 @@ class Writer:
             logger.debug("NIXL could not tell %s of a failed write: %s", run.sink, e)
 
     def close(self) -> None:
-        """Abort every running write (its sink's wait ends by its own deadline)."""
+        """Abort every running write (its sink's wait ends by its own deadline) and let go
+        of the agent."""
         with self._lock:
             self._closed = True
             runs, self._running = list(self._running.values()), {}
@@ -299,6 +300,14 @@ class Writer:
             _release(run.handle)
         if self._reaper is not None:
             self._reaper.join(timeout=2.0)
+        # no reference to the agent outlives its engine's close (its UCX progress thread
+        # busy-polls until the agent is destroyed)
+        self._agent = None
+        self._spans = self._unload = _nothing
+
+
+def _nothing(*_a: Any) -> Any:
+    return []
 
 
 def _release(handle: Any) -> bool:
