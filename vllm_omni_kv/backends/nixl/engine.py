@@ -155,12 +155,12 @@ class NixlEngine:
     def _is_closed(self) -> bool:
         return self._closed
 
-    def _writes_to(self, rkind: tuple[str, int], peer: _Peer) -> bool:
+    def _writes_to(self, rmem: str, peer: _Peer) -> bool:
         """Whether ``peer`` WRITEs this move (never this agent itself: a dual connector
         reads its own memory)."""
         if peer.name == self.name:
             return False
-        return self.direction == "write" or (self.direction == "auto" and rkind[0] == "VRAM")
+        return self.direction == "write" or (self.direction == "auto" and rmem == "VRAM")
 
     def register(self, addr: int, size: int) -> None:
         """Register the pool (memory of the pool's device)."""
@@ -292,7 +292,7 @@ class NixlEngine:
                 lmem, ldev = kind_of(spans, local, n) or (self.mem_type, self.device_id)
                 groups.setdefault((lmem, kind[0]), []).append((local, remote, n, ldev, kind[1]))
             for (lmem, rmem), group in groups.items():
-                if self._writes_to((rmem, 0), peer):
+                if self._writes_to(rmem, peer):
                     self._written(session, peer, [(a, r, n) for a, r, n, _ld, _rd in group])
                     continue
                 self._transfer(session, peer, lmem, rmem, group)
@@ -318,7 +318,7 @@ class NixlEngine:
             if rkind is None or lkind is None or pages > _MAX_INDEX:  # mixed kinds, or unknown
                 self.read_many(session, reads.ranges())  # names the range it cannot read
                 return
-            if self._writes_to(rkind, peer):
+            if self._writes_to(rkind[0], peer):
                 self._written(session, peer, reads)
                 return
             remote = self._prepared.get(self.agent, peer.name, rkind, reads.remote)

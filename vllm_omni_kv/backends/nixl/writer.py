@@ -196,9 +196,13 @@ class Writer:
         triples = [(int(d), int(s), int(n)) for d, s, n in rows.tolist()]
         skinds = {kind_of(ours, s, n) for _d, s, n in triples}
         dkinds = {kind_of(sink, d, n) for d, _s, n in triples}
-        if None in skinds or None in dkinds or len(skinds) != 1 or len(dkinds) != 1:
+        skind, dkind = (
+            (skinds.pop() if len(skinds) == 1 else None),
+            (dkinds.pop() if len(dkinds) == 1 else None),
+        )
+        if skind is None or dkind is None:
             raise KVTransferError("a range is outside (or spans kinds of) registered memory")
-        (smem, sdev), (dmem, ddev) = skinds.pop() or ("", 0), dkinds.pop() or ("", 0)
+        (smem, sdev), (dmem, ddev) = skind, dkind
 
         def make() -> Any:
             local = self._agent.get_xfer_descs([(s, n, sdev) for _d, s, n in triples], smem)
