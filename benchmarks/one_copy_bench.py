@@ -15,7 +15,8 @@ digests only for the ``verify`` row (``verify_pages``); the default rows carry n
 default. A ``fallback`` row runs the same move without the native page copy (the Python
 ``memmove`` loop of an install that could not compile it). A ``profile`` row times each step
 alone, including a streaming-store copy of the same contiguous bytes (what the native copy
-does per page run), reported beside memcpy as a second reference.
+does per page run), reported beside memcpy as a second reference, and the page copies with
+cached stores (what ``page_copy.STREAM_MIN_BYTES`` decides against from 1 MiB).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from transfer_bench import _row, shm_move  # noqa: E402
 
 from vllm_omni_kv.backends.shm import arena  # noqa: E402
 from vllm_omni_kv.backends.shm.connector import SharedMemoryConnector  # noqa: E402
-from vllm_omni_kv.kvcache import page_copy  # noqa: E402
+from vllm_omni_kv.kvcache import movers, page_copy  # noqa: E402
 from vllm_omni_kv.kvcache.cache_layout import KVLayoutId, page_view  # noqa: E402
 from vllm_omni_kv.kvcache.shared_pages import (  # noqa: E402
     attach_layers,
@@ -137,6 +138,16 @@ def _native_copy(on: bool) -> Any:
         yield
     finally:
         page_copy._native = saved
+
+
+@contextlib.contextmanager
+def _cached_stores() -> Any:
+    """Inside it, page copies of every size use cached stores (no streaming)."""
+    saved, movers.STREAM_MIN_BYTES = movers.STREAM_MIN_BYTES, 1 << 62
+    try:
+        yield
+    finally:
+        movers.STREAM_MIN_BYTES = saved
 
 
 def _evict() -> None:
@@ -287,6 +298,11 @@ class _Consumer:
                     ctypes.memmove(d0 + d * PAGE_BYTES, s0 + s * PAGE_BYTES, PAGE_BYTES)
 
         nv = lambda: copy_pages(src, dst, pairs, None)  # noqa: E731
+
+        def cached() -> None:
+            with _cached_stores():
+                nv()
+
         fns = {
             "memcpy": self.bufs.memcpy,
             "memcpy, caches evicted first": self.bufs.memcpy,
@@ -295,6 +311,8 @@ class _Consumer:
             BARE: bare,
             "copy_pages, no verify": nv,
             "copy_pages, no verify, caches evicted first": nv,
+            "copy_pages, no verify, cached stores": cached,
+            "copy_pages, no verify, cached stores, caches evicted first": cached,
             "copy_pages, verify": lambda: copy_pages(src, dst, pairs, sums),
             "page_sums of the copied pages (digests alone)": lambda: page_sums(dst, self.dst_ids),
             "hold create + reading()": hold_and_read,

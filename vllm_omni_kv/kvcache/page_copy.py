@@ -1,7 +1,7 @@
 """Runs of pages copied between two host caches, one native call per layer.
 
 The copies go through the ``_pagecopy`` extension (built with the package; C, no
-Python objects touched while copying, GIL released). Large copies use streaming
+Python objects touched while copying, GIL released). Copies of 1 MiB or more use streaming
 (non-temporal) stores: the destination lines are written without being read first,
 which is how a large ``memcpy`` reaches memory bandwidth; glibc only does so above
 its own threshold (hundreds of MiB on some hosts), which one 128 KiB KV page never
@@ -29,8 +29,11 @@ def _load() -> ModuleType | None:
 
 _native = _load()
 
-#: a copy of at least this many bytes (all layers) uses streaming stores
-STREAM_MIN_BYTES = 4 << 20
+#: a copy of at least this many bytes (all layers) uses streaming stores. Moves copy
+#: pages scattered over a cache far larger than them, whose lines are rarely in cache:
+#: there streaming stores beat cached ones (which read each destination line first) from
+#: one 128 KiB page per layer up (``one_copy_bench.py``'s profile has both)
+STREAM_MIN_BYTES = 1 << 20
 
 Run = tuple[int, int, int]  # (source page, destination page, pages)
 
