@@ -160,18 +160,21 @@ class WriteClient:
         self._ask(
             endpoint, ww.sink_msg(self._name, self._agent.get_agent_metadata(), self._spans())
         )
-        deadline = time.monotonic() + self._sc_timeout
-        delay = 0.0
-        while (challenge := self.notices.challenge(peer)) is None:
-            if time.monotonic() > deadline:
-                raise KVTransferTimeout(
-                    f"NIXL agent {peer} at {endpoint} sent no challenge within "
-                    f"{self._sc_timeout:.1f}s: it cannot reach this agent (check UCX between "
-                    "the hosts) or is not a nixl backend"
-                )
-            time.sleep(delay)
-            delay = min(MAX_POLL_S, delay + 0.00005)
-        self._ask(endpoint, ww.proof_msg(self._name, challenge))
+        got: list[bytes] = []
+
+        def challenged() -> bool:
+            challenge = self.notices.challenge(peer)
+            if challenge is not None:
+                got.append(challenge)
+            return challenge is not None
+
+        if not _poll(challenged, time.monotonic() + self._sc_timeout):
+            raise KVTransferTimeout(
+                f"NIXL agent {peer} at {endpoint} sent no challenge within "
+                f"{self._sc_timeout:.1f}s: it cannot reach this agent (check UCX between "
+                "the hosts) or is not a nixl backend"
+            )
+        self._ask(endpoint, ww.proof_msg(self._name, got[0]))
         with self._lock:
             self._proven.add(endpoint)
 
@@ -239,20 +242,19 @@ class WriteClient:
 
     def _wait(self, nonces: list[bytes], deadline: float) -> int:
         """Wait for every write's end; the number that failed. Raises past ``deadline``."""
-        left, failed, delay = set(nonces), 0, 0.0
-        while left:
+        left, failed = set(nonces), []
+
+        def all_ended() -> bool:
             for n in list(left):
                 end = self.notices.ended(n)
                 if end is not None:
                     left.discard(n)
-                    failed += end == b"E"
-            if not left:
-                break
-            if time.monotonic() > deadline or self._closed():
-                raise KVTransferTimeout(f"{len(left)} NIXL writes did not end in time")
-            time.sleep(delay)
-            delay = min(MAX_POLL_S, delay + 0.00005)
-        return failed
+                    failed.append(end == b"E")
+            return not left
+
+        if not _poll(all_ended, deadline, self._closed):
+            raise KVTransferTimeout(f"{len(left)} NIXL writes did not end in time")
+        return sum(failed)
 
     def _wait_out(self, endpoint: str, nonces: list[bytes]) -> None:
         """Return once no write of ``nonces`` can still land (see the module's text)."""
@@ -293,6 +295,20 @@ class WriteClient:
             self._proven.discard(endpoint)
             for key in [k for k in self._sets if k[0] == endpoint]:
                 del self._sets[key]
+
+
+def _poll(
+    ready: Callable[[], bool], deadline: float, stop: Callable[[], bool] = lambda: False
+) -> bool:
+    """Call ``ready`` until it is true, sleeping a little longer each time (up to
+    :data:`MAX_POLL_S`); False once ``deadline`` (monotonic) passed or ``stop`` is true."""
+    delay = 0.0
+    while not ready():
+        if time.monotonic() > deadline or stop():
+            return False
+        time.sleep(delay)
+        delay = min(MAX_POLL_S, delay + 0.00005)
+    return True
 
 
 def _gone(endpoint: str) -> bool:
