@@ -323,3 +323,29 @@ def test_a_device_read_on_this_host_is_a_warning_with_what_to_use() -> None:
     assert warned is not None and "cuda_ipc" in warned and "memory_pool_device: cpu" in warned
     assert device_read_warning(["DRAM:0"], "tcp://127.0.0.1:5555") is None
     assert device_read_warning(["VRAM:0"], "tcp://192.0.2.7:5555") is None  # TEST-NET: not us
+
+
+def test_the_handshake_log_names_who_posts_the_moves_out_of_each_memory(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Under ``auto`` device memory goes by the producer's WRITE and host memory by our
+    READ; the log says so per memory, and warns only of device memory that is READ."""
+    from vllm_omni_kv.backends.nixl.handshake import log_peer
+
+    spans = [(0, 64, "DRAM", 0), (4096, 64, "VRAM", 1)]
+    ours = [(0, 64, "DRAM", 0)]
+    ep = "tcp://127.0.0.1:5555"
+    with caplog.at_level(logging.INFO, logger="vllm_omni_kv"):
+        log_peer("p", ep, spans, ours, "UCX", "auto")
+    text = caplog.text
+    assert "DRAM:0 by our READ, VRAM:1 by its WRITE" in text and "nixl_direction auto" in text
+    assert "cuda_ipc" not in text  # the device memory is not READ: no warning
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="vllm_omni_kv"):
+        log_peer("p", ep, spans, ours, "UCX", "read")
+    assert "VRAM:1 by our READ" in caplog.text and "cuda_ipc" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="vllm_omni_kv"):
+        log_peer("p", ep, spans, ours, "UCX", "write")
+    assert "DRAM:0 by its WRITE, VRAM:1 by its WRITE" in caplog.text
+    assert "cuda_ipc" not in caplog.text

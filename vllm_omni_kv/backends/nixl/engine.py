@@ -42,6 +42,7 @@ from vllm_omni_kv.backends.nixl.memory import (
     Span,
     kind_of,
     memory_of,
+    producer_writes,
     tables_kind,
 )
 from vllm_omni_kv.backends.nixl.prepared_lists import LOCAL_SIDE, PreparedLists
@@ -160,7 +161,7 @@ class NixlEngine:
         reads its own memory)."""
         if peer.name == self.name:
             return False
-        return self.direction == "write" or (self.direction == "auto" and rmem == "VRAM")
+        return producer_writes(self.direction, rmem)
 
     def register(self, addr: int, size: int) -> None:
         """Register the pool (memory of the pool's device)."""

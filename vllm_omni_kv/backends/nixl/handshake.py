@@ -5,7 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_omni_kv.backends.nixl.memory import Span, device_read_warning
+from vllm_omni_kv.backends.nixl.memory import (
+    Span,
+    device_read_warning,
+    producer_writes,
+    who_posts,
+)
 from vllm_omni_kv.backends.pull.side_channel import SideChannelClient
 from vllm_omni_kv.errors import KVTransferError, KVTransferTimeout
 from vllm_omni_kv.logger import init_logger
@@ -68,19 +73,23 @@ def load_peer(
 def log_peer(
     name: str, endpoint: str, spans: list[Span], ours: list[Span], transport: str, direction: str
 ) -> None:
-    """Log what a new peer's moves cross: its memory, ours, the transports allowed and the
-    direction; warn where device memory would be READ on one host (UCX serves that by TCP)."""
+    """Log what a new peer's moves cross: its memory, ours, the transports allowed and who
+    posts the moves out of each of its memories; warn where device memory would be READ on
+    one host (UCX serves that by TCP)."""
     theirs = sorted({f"{m}:{d}" for _a, _n, m, d in spans})
     mine = sorted({f"{m}:{d}" for _a, _n, m, d in ours})
     logger.info(
-        "NIXL peer %s at %s: its memory %s, this agent's %s, over %s, direction %s",
+        "NIXL peer %s at %s: its memory %s, this agent's %s, over %s; moves out of %s "
+        "(nixl_direction %s)",
         name,
         endpoint,
         theirs or "none",
         mine or "none",
         transport,
+        who_posts(direction, theirs),
         direction,
     )
-    warning = device_read_warning(theirs, endpoint) if direction == "read" else None
+    read = [m for m in theirs if not producer_writes(direction, m.split(":")[0])]
+    warning = device_read_warning(read, endpoint)
     if warning:
         logger.warning("NIXL peer %s at %s: %s", name, endpoint, warning)

@@ -32,6 +32,22 @@ def tables_kind(spans: list[Span], tables: tuple[PageTable, ...]) -> tuple[str, 
     return kinds.pop() if len(kinds) == 1 else None
 
 
+def producer_writes(direction: str, remote_memory: str) -> bool:
+    """Whether, under ``nixl_direction`` ``direction``, a move out of a peer's memory of
+    type ``remote_memory`` (``"VRAM"``, ``"DRAM"``) is the peer's WRITE rather than this
+    agent's READ (``auto``: writes out of device memory, where UCX serves a READ by TCP)."""
+    return direction == "write" or (direction == "auto" and remote_memory == "VRAM")
+
+
+def who_posts(direction: str, remote_memory: list[str]) -> str:
+    """Per memory of a peer (``"VRAM:0"``...), who posts the moves out of it, for the log."""
+    ways = [
+        f"{m} by its WRITE" if producer_writes(direction, m.split(":")[0]) else f"{m} by our READ"
+        for m in remote_memory
+    ]
+    return ", ".join(ways) or "none"
+
+
 def device_read_warning(remote_memory: list[str], endpoint: str) -> str | None:
     """Why a READ of ``remote_memory`` (``"VRAM:0"``...) from ``endpoint`` may run at TCP
     speed, with what to do instead (None: no device memory, or another host)."""
