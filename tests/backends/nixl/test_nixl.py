@@ -325,6 +325,19 @@ def test_a_device_read_on_this_host_is_a_warning_with_what_to_use() -> None:
     assert device_read_warning(["VRAM:0"], "tcp://192.0.2.7:5555") is None  # TEST-NET: not us
 
 
+def test_the_transport_name_says_who_posts_the_moves() -> None:
+    """The loads' transport label: under ``auto`` it follows the memory of the peers seen
+    so far (device memory: their WRITE; host memory: our READ; both: both)."""
+    from vllm_omni_kv.backends.nixl.memory import posting
+
+    assert posting("auto", set()) == ""
+    assert posting("auto", {"DRAM"}) == ""
+    assert posting("auto", {"VRAM"}) == "/write"
+    assert posting("auto", {"VRAM", "DRAM"}) == "/read+write"
+    assert posting("read", {"VRAM"}) == ""
+    assert posting("write", {"DRAM"}) == posting("write", set()) == "/write"
+
+
 def test_the_handshake_log_names_who_posts_the_moves_out_of_each_memory(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -42,6 +42,7 @@ from vllm_omni_kv.backends.nixl.memory import (
     Span,
     kind_of,
     memory_of,
+    posting,
     producer_writes,
     tables_kind,
 )
@@ -231,10 +232,12 @@ class NixlEngine:
 
     def transport(self) -> str:
         """NIXL's backends, the UCX transports allowed (``UCX_TLS``) when UCX is one, and
-        ``/write`` where every move is the peer's WRITE (``auto`` names no direction: it
-        depends on the peer's memory)."""
+        who posts the moves (:func:`~.memory.posting`; under ``auto``, by the memory of
+        the peers handshaken so far: ``/write`` once they all give device memory)."""
         tls = os.environ.get("UCX_TLS", "") if "UCX" in self.backends else ""
-        way = "/write" if self.direction == "write" else ""
+        with self._lock:
+            peers = [p.spans for p in self._peers.values() if p.name != self.name]
+        way = posting(self.direction, {m for spans in peers for *_r, m, _d in spans})
         return "+".join(self.backends) + (f"[UCX_TLS={tls}]" if tls else "") + way
 
     def forget(self, session: str) -> None:

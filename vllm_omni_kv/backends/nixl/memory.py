@@ -39,6 +39,16 @@ def producer_writes(direction: str, remote_memory: str) -> bool:
     return direction == "write" or (direction == "auto" and remote_memory == "VRAM")
 
 
+def posting(direction: str, remote_memory: set[str]) -> str:
+    """The suffix of a transport name that says who posts the moves out of peers' memory
+    of types ``remote_memory``: ``/write`` (every move is the peer's WRITE), ``/read+write``
+    (some are), ``""`` (this agent READs every one)."""
+    writes = {producer_writes(direction, m) for m in remote_memory}
+    if direction == "write" or writes == {True}:
+        return "/write"
+    return "/read+write" if writes == {True, False} else ""
+
+
 def who_posts(direction: str, remote_memory: list[str]) -> str:
     """Per memory of a peer (``"VRAM:0"``...), who posts the moves out of it, for the log."""
     ways = [
