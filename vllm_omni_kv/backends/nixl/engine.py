@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from vllm_omni_kv.backends.nixl.backoff import Backoff
 from vllm_omni_kv.backends.nixl.handshake import ask_metadata, load_peer, log_peer
 from vllm_omni_kv.backends.nixl.loader import import_nixl
 from vllm_omni_kv.backends.nixl.memory import (
@@ -59,8 +60,6 @@ logger = init_logger(__name__)
 
 #: remote agents kept loaded at most (the least recently used one is removed past it)
 MAX_PEERS = 256
-#: the longest sleep between two polls of a running transfer (seconds)
-MAX_POLL_S = 0.001
 #: the most descriptors a prepared list may hold (its indices are int32)
 _MAX_INDEX = 2**31 - 1
 DIRECTIONS = ("auto", "read", "write")
@@ -227,18 +226,21 @@ class NixlEngine:
             self._client, endpoint, self.handshake_timeout_s, self.handshake_retries
         )
         spans = load_peer(self.agent, self.name, name, endpoint, reply)
-        log_peer(name, endpoint, spans, self._spans(), self.transport(), self.direction)
+        log_peer(name, endpoint, spans, self._spans(), self.carriers(), self.direction)
         return _Peer(name, spans)
 
     def transport(self) -> str:
-        """NIXL's backends, the UCX transports allowed (``UCX_TLS``) when UCX is one, and
-        who posts the moves (:func:`~.memory.posting`; under ``auto``, by the memory of
-        the peers handshaken so far: ``/write`` once they all give device memory)."""
-        tls = os.environ.get("UCX_TLS", "") if "UCX" in self.backends else ""
+        """:meth:`carriers` and who posts the moves (:func:`~.memory.posting`; under
+        ``auto``, by the memory of the peers handshaken so far: ``/write`` once they all
+        give device memory)."""
         with self._lock:
             peers = [p.spans for p in self._peers.values() if p.name != self.name]
-        way = posting(self.direction, {m for spans in peers for *_r, m, _d in spans})
-        return "+".join(self.backends) + (f"[UCX_TLS={tls}]" if tls else "") + way
+        return self.carriers() + posting(self.direction, {m for s in peers for *_r, m, _d in s})
+
+    def carriers(self) -> str:
+        """NIXL's backends, and the UCX transports allowed (``UCX_TLS``) when UCX is one."""
+        tls = os.environ.get("UCX_TLS", "") if "UCX" in self.backends else ""
+        return "+".join(self.backends) + (f"[UCX_TLS={tls}]" if tls else "")
 
     def forget(self, session: str) -> None:
         """Drop a peer (after a failed transfer); the next read handshakes again."""
@@ -404,7 +406,7 @@ class NixlEngine:
         A transfer that cannot be aborted is waited out: its destination must stay
         valid until it ends (the caller has already been told of the timeout).
         """
-        delay = 0.0
+        backoff = Backoff()
         while state == "PROC":
             if time.monotonic() >= deadline:
                 try:
@@ -419,8 +421,7 @@ class NixlEngine:
                 if self._closed:
                     return "ERR"
                 deadline = time.monotonic() + 0.1
-            time.sleep(delay)
-            delay = min(MAX_POLL_S, delay + 0.00005)
+            backoff.sleep()
             state = agent.check_xfer_state(handle)
         if state != "DONE":
             try:

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_omni_kv.backends.nixl import write_wire as ww
+from vllm_omni_kv.backends.nixl.backoff import Backoff
 from vllm_omni_kv.backends.nixl.memory import Span
 from vllm_omni_kv.backends.pull.framing import split_endpoint
 from vllm_omni_kv.backends.pull.page_reads import PageReads, Read
@@ -36,7 +37,6 @@ from vllm_omni_kv.logger import init_logger
 logger = init_logger(__name__)
 
 MAX_SENT_SETS = 256
-MAX_POLL_S = 0.001
 #: pause between two rounds of aborts while a move is waited out
 ABORT_ROUND_S = 0.1
 #: pause before a request the producer answered ``busy`` is sent again
@@ -300,14 +300,14 @@ class WriteClient:
 def _poll(
     ready: Callable[[], bool], deadline: float, stop: Callable[[], bool] = lambda: False
 ) -> bool:
-    """Call ``ready`` until it is true, sleeping a little longer each time (up to
-    :data:`MAX_POLL_S`); False once ``deadline`` (monotonic) passed or ``stop`` is true."""
-    delay = 0.0
+    """Call ``ready`` until it is true, sleeping a little longer each time
+    (:class:`~.backoff.Backoff`); False once ``deadline`` (monotonic) passed or ``stop`` is
+    true."""
+    backoff = Backoff()
     while not ready():
         if time.monotonic() > deadline or stop():
             return False
-        time.sleep(delay)
-        delay = min(MAX_POLL_S, delay + 0.00005)
+        backoff.sleep()
     return True
 
 

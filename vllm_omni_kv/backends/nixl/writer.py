@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from vllm_omni_kv.backends.nixl import write_wire as ww
+from vllm_omni_kv.backends.nixl.backoff import Backoff
 from vllm_omni_kv.backends.nixl.handshake import add_agent
 from vllm_omni_kv.backends.nixl.memory import Span, kind_of, tables_kind
 from vllm_omni_kv.backends.nixl.prepared_lists import LOCAL_SIDE, PreparedLists
@@ -41,7 +42,6 @@ MAX_SETS = 256
 MAX_RUNNING = 1024
 MAX_TOMBS = 4096
 TOMB_S = 600.0
-MAX_POLL_S = 0.001
 
 TableSet = tuple[tuple[PageTable, ...], tuple[PageTable, ...]]
 
@@ -261,19 +261,18 @@ class Writer:
             return "ERR"
 
     def _reap(self) -> None:
-        delay = 0.0
+        backoff = Backoff()
         while True:
             with self._lock:
                 while not self._running and not self._closed:
                     self._lock.wait(0.5)
-                    delay = 0.0
+                    backoff.reset()
                 if self._closed:
                     return
                 runs = list(self._running.items())
             for nonce, run in runs:
                 self._settle(nonce, run, self._state(run))
-            time.sleep(delay)
-            delay = min(MAX_POLL_S, delay + 0.00005)
+            backoff.sleep()
 
     def _settle(self, nonce: bytes, run: _Running, state: str) -> None:
         if state == "PROC" and time.monotonic() < run.deadline:
