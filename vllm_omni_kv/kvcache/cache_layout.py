@@ -309,6 +309,8 @@ def dense_pages(pv: torch.Tensor, host: bool = True) -> bool:
     memory on any device, with ``host=False``)."""
     if host and not pv.is_cpu:
         return False
+    if pv.is_contiguous():
+        return True
     shape, stride = pv.shape, pv.stride()
     expect = 1
     for i in range(len(shape) - 1, 0, -1):

@@ -167,8 +167,9 @@ def parse(
 def _check_depth(tree: Any) -> None:
     """Refuse headers nested deeper than :data:`MAX_DEPTH` (checked without recursion, so
     later recursive walks of the tree stay far from Python's recursion limit). Walks
-    one level at a time: ``level`` holds the lists/maps at depth ``depth``."""
-    level = [tree] if isinstance(tree, (dict, list)) else []
+    one level at a time: ``level`` holds the lists/maps at depth ``depth``. msgpack
+    gives plain ``dict`` and ``list`` containers, so exact type tests suffice."""
+    level = [tree] if type(tree) is dict or type(tree) is list else []
     depth = 0
     while level:
         if depth >= MAX_DEPTH:
@@ -178,8 +179,9 @@ def _check_depth(tree: Any) -> None:
             )
         below: list[Any] = []
         for node in level:
-            for c in node.values() if isinstance(node, dict) else node:
-                if isinstance(c, (dict, list)):
+            for c in node.values() if type(node) is dict else node:
+                kind = type(c)
+                if kind is list or kind is dict:
                     below.append(c)
         level, depth = below, depth + 1
 

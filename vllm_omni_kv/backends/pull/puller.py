@@ -194,17 +194,18 @@ class Puller:
         limit = min(deadline, time.monotonic() + self.timeout_s)
         while True:
             now = time.monotonic()
-            try:
-                wait = limit - now if cancel is None else min(CANCEL_POLL_S, limit - now)
-                fut.result(timeout=max(0.0, wait))
-                return
-            except cf.TimeoutError:
-                pass
-            except Exception as e:
-                # the future holds ``e``, whose traceback holds this frame (and ``keep``):
-                # drop it so the destination is freed by reference counting, not a GC cycle
-                del fut
-                raise PullFailed(f"pull of {what} ({n} bytes) from {session} failed: {e}") from None
+            wait = limit - now if cancel is None else min(CANCEL_POLL_S, limit - now)
+            if cf.wait([fut], timeout=max(0.0, wait)).done:  # never mistakes a read's own
+                if fut.cancelled():  # TimeoutError for "still running"
+                    raise KVTransferError("the connector is closed; create a new one")
+                err = fut.exception()
+                if err is None:
+                    return
+                why = str(err)
+                # the future holds ``err``, whose traceback holds the read's frame (and
+                # ``keep``): drop both so the destination is freed by reference counting
+                del fut, err
+                raise PullFailed(f"pull of {what} ({n} bytes) from {session} failed: {why}")
             cancelled = cancel is not None and cancel.is_set()
             if cancelled or time.monotonic() >= limit:
                 if on_abandon is not None:

@@ -1,0 +1,86 @@
+"""The pull connector's bounded reads (:class:`~vllm_omni_kv.backends.pull.puller.Puller`):
+a read that fails is reported at once with its own error, one still running past the
+timeout is abandoned, and either way its destination is given back only once the read
+has ended.
+
+The engines here are stand-ins for faults a real transport cannot be made to show on
+demand: a read that raises a ``TimeoutError`` of its own (a socket timeout escaping an
+engine), and a read that blocks until released.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from vllm_omni_kv.backends.pull.puller import Puller, PullFailed
+from vllm_omni_kv.errors import KVTransferTimeout
+
+
+class _TimingOutEngine:
+    """Every read raises a ``TimeoutError`` (``concurrent.futures``' "not done yet")."""
+
+    session = "127.0.0.1:1"
+
+    def read(self, session: str, local: int, remote: int, length: int) -> None:
+        raise TimeoutError("socket read timed out inside the engine")
+
+
+class _BlockedEngine:
+    """Every read blocks until ``go`` is set."""
+
+    session = "127.0.0.1:1"
+
+    def __init__(self) -> None:
+        self.go = threading.Event()
+
+    def read(self, session: str, local: int, remote: int, length: int) -> None:
+        self.go.wait(30)
+
+
+@pytest.fixture
+def pool() -> Iterator[cf.ThreadPoolExecutor]:
+    with cf.ThreadPoolExecutor(2, thread_name_prefix="pytest-pull") as ex:
+        yield ex
+
+
+def test_a_read_that_raises_timeout_error_fails_at_once_with_its_error(
+    pool: cf.ThreadPoolExecutor,
+) -> None:
+    """A ``TimeoutError`` raised by the read itself is its failure, not "still running":
+    the pull fails well before its 10 s timeout, naming the engine's error, and the
+    destination is not handed to an abandon callback (nothing runs any more)."""
+    puller = Puller(_TimingOutEngine(), pool, timeout_s=10.0)  # type: ignore[arg-type]
+    abandoned: list[bool] = []
+    t0 = time.monotonic()
+    with pytest.raises(PullFailed, match="socket read timed out inside the engine"):
+        puller.read(
+            "s", 0, 0, 64, time.monotonic() + 10, threading.Event(), what="k",
+            on_abandon=lambda: abandoned.append(True),
+        )  # fmt: skip
+    assert time.monotonic() - t0 < 5.0, "the failed read was waited on until its timeout"
+    assert not abandoned
+
+
+def test_a_stalled_read_is_abandoned_and_its_destination_kept_until_it_ends(
+    pool: cf.ThreadPoolExecutor,
+) -> None:
+    """Past the timeout the pull raises ``KVTransferTimeout``; the abandon callback (which
+    frees the destination) runs only once the engine's read has returned."""
+    engine = _BlockedEngine()
+    puller = Puller(engine, pool, timeout_s=0.3)  # type: ignore[arg-type]
+    freed = threading.Event()
+    track: list[cf.Future[None]] = []
+    with pytest.raises(KVTransferTimeout, match="stalled past"):
+        puller.read(
+            "s", 0, 0, 64, time.monotonic() + 10, None, what="k",
+            on_abandon=freed.set, track=track,
+        )  # fmt: skip
+    assert not freed.wait(0.5), "the destination was freed while the read still ran"
+    assert [f.done() for f in track] == [False]
+    engine.go.set()
+    assert freed.wait(10), "the destination was not freed once the read ended"
