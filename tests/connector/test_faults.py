@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import gc
 import json
-import signal
 import subprocess
 import sys
 import threading
@@ -27,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _pause import pause
 from pd_helpers import (
     SMALL_CACHE_BLOCKS,
     EngineProc,
@@ -188,7 +188,7 @@ def test_producer_killed_mid_pull_recomputes(fx: Fixture, te: TE) -> None:
     assert all(p["remote_port"] == te.port for p in params), params
     # frozen first: the pulls the consumer starts stay in flight until the kill (unfrozen,
     # a dozen loads of a few ms each could all end before a poll here saw them start)
-    kill_group(te.prod.proc.pid, signal.SIGSTOP)
+    pause(te.prod.proc.pid, group=True)
     job = Background(lambda: te.cons.generate(prompts, 16, params, timeout=RECV_TIMEOUT + 300))
     # the consumer's first acquire opens its side-channel connection: a pull has started
     deadline = time.monotonic() + 120
@@ -313,12 +313,11 @@ def test_pull_from_killed_sender_returns_the_receive_block() -> None:
 def test_sender_killed_during_a_pull_ends_it_cleanly() -> None:
     # The sender is frozen (SIGSTOP) so that the pull is certainly in flight, then killed.
     pytest.importorskip("mooncake.engine", reason="the Mooncake transfer engine is not installed")
-    import signal
 
     sender, meta = start_sender()
     recv = receiver()
     try:
-        kill_group(sender.pid, signal.SIGSTOP)
+        pause(sender.pid, group=True)
         job = Background(lambda: recv.open_stream("prefill", "decode", "big", meta))
         time.sleep(1.0)  # the pull waits on the frozen sender
         kill_group(sender.pid)

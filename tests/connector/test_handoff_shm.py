@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from _pause import pause
 
 from vllm_omni_kv.backends.shm import arena
 from vllm_omni_kv.backends.shm.connector import SharedMemoryConnector
@@ -229,10 +230,6 @@ def wait_until(pred: Any, timeout: float) -> bool:
     return True
 
 
-def _stopped(pid: int) -> bool:
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
-
-
 def test_a_stopped_reader_loses_the_blocks_after_the_lease_and_grace() -> None:
     ttl, grace = 1.0, 1.0
     prod = Producer(ttl, grace=grace, timer=True)
@@ -253,8 +250,7 @@ def test_a_stopped_reader_loses_the_blocks_after_the_lease_and_grace() -> None:
         child.stdin.write("r9\n")
         child.stdin.flush()
         assert child.stdout.readline().strip() == "copying"
-        os.kill(child.pid, signal.SIGSTOP)  # the reader stops with the hold's lock taken
-        assert wait_until(lambda: _stopped(child.pid), 5)
+        pause(child.pid)  # the reader stops with the hold's lock taken
         time.sleep(max(0.0, t0 + ttl + 0.3 - time.monotonic()))  # past the lease
         assert prod.sends.state_of("r9") == [HandoffState.CLAIMED]
         assert prod.sends.done(set()) == set(), "blocks freed under a reader within its grace"

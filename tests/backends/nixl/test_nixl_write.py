@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import gc
 import os
-import signal
 import threading
 import time
 import weakref
@@ -16,6 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from _pause import pause
 
 pytest.importorskip("nixl", reason="nixl is not installed (pip install nixl)")
 
@@ -119,7 +119,7 @@ def test_a_paused_producer_is_waited_out_and_a_dead_one_ends_the_wait() -> None:
         meta = proc.call(op="put", key="paused", data=data)["meta"]
         stream = r.open_stream("0", "1", "paused", meta)
         assert stream is not None and stream.moved < stream.size
-        os.kill(proc.proc.pid, signal.SIGSTOP)
+        pause(proc.proc.pid)  # every thread stopped: none may still serve the request
         failed: list[str] = []
 
         def load() -> None:

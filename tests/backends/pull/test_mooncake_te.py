@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from _pause import pause
 
 from vllm_omni_kv.backends.pool import BufferAllocator, ManagedBuffer, MemoryPool
 from vllm_omni_kv.backends.pull.side_channel import SideChannelClient, SideChannelServer
@@ -382,7 +383,7 @@ def test_stalled_sender_is_bounded_by_transfer_timeout() -> None:
         pid,
     ):
         meta = proc.call(op="put", key="big", data=torch.ones(8 << 20, dtype=torch.uint8))["meta"]
-        os.kill(pid, signal.SIGSTOP)
+        pause(pid)
         t0 = time.monotonic()
         assert r.get("0", "1", "big", meta) is None
         assert time.monotonic() - t0 < 5.0
@@ -400,7 +401,7 @@ def test_pull_after_a_stall_succeeds_on_a_fresh_connection() -> None:
         pid,
     ):
         meta = proc.call(op="put", key="again", data=data)["meta"]
-        os.kill(pid, signal.SIGSTOP)
+        pause(pid)
         assert r.get("0", "1", "again", meta) is None
         os.kill(pid, signal.SIGCONT)
         got = None
