@@ -76,12 +76,17 @@ def test_a_client_with_copied_metadata_cannot_aim_writes_at_its_owner() -> None:
         forged = client.request(_endpoint(sender), ww.proof_msg(v.name, os.urandom(16)))
         assert not forged["ok"] and "challenge" in forged["error"]
         rows = [(victim.base_ptr, sender.base_ptr, 4096)]
-        write = ww.range_write_msgs(v.name, rows, 1.0)[0]
+        write = ww.with_token(ww.range_write_msgs(v.name, rows, 1.0)[0], os.urandom(16))
         assert client.request(_endpoint(sender), write) == {"ok": False, "reason": "need_sink"}
     finally:
         client.close()
         victim.close()
         sender.close()
+
+
+def _as_sink(receiver: NixlPullConnector, sender: NixlPullConnector, msg: dict[str, Any]) -> Any:
+    """``msg`` signed as the proven sink ``receiver`` signs it for ``sender`` (its token)."""
+    return receiver.engine._writes._signed(_endpoint(sender), msg)  # type: ignore[attr-defined]
 
 
 def test_a_nonce_once_aborted_or_used_is_refused() -> None:
@@ -91,14 +96,45 @@ def test_a_nonce_once_aborted_or_used_is_refused() -> None:
         assert pull_round_trip(sender, receiver) is None  # the receiver is a proven sink now
         name = receiver.engine.name  # type: ignore[attr-defined]
         rows = [(receiver.base_ptr, sender.base_ptr, 4096)]
-        late = ww.range_write_msgs(name, rows, 1.0)[0]
-        gone = client.request(_endpoint(sender), {"op": ww.ABORT_OP, "nonce": late["nonce"]})
-        assert gone == {"ok": True, "state": "unknown"}
+        late = _as_sink(receiver, sender, ww.range_write_msgs(name, rows, 1.0)[0])
+        abort = _as_sink(receiver, sender, ww.abort_msg(name, late["nonce"]))
+        assert client.request(_endpoint(sender), abort) == {"ok": True, "state": "unknown"}
         refused = client.request(_endpoint(sender), late)
         assert not refused["ok"] and "nonce" in refused["error"]
         outside = ww.range_write_msgs(name, [(1 << 12, sender.base_ptr, 4096)], 1.0)[0]
-        refused = client.request(_endpoint(sender), outside)
+        refused = client.request(_endpoint(sender), _as_sink(receiver, sender, outside))
         assert not refused["ok"] and "registered" in refused["error"]
+    finally:
+        client.close()
+        receiver.close()
+        sender.close()
+
+
+def test_a_proven_sinks_writes_tables_and_aborts_need_its_token() -> None:
+    """A client that knows a proven sink's name (and spans) but not its token can neither
+    aim a write or a table set at it nor abort, or pre-empt with an abort, its writes."""
+    sender, receiver = _conn("sender"), _conn("receiver", nixl_direction="write")
+    client = SideChannelClient(5.0)
+    try:
+        assert pull_round_trip(sender, receiver) is None
+        name, ep = receiver.engine.name, _endpoint(sender)  # type: ignore[attr-defined]
+        rows = [(receiver.base_ptr, sender.base_ptr, 4096)]
+        write = ww.range_write_msgs(name, rows, 1.0)[0]
+        guess = os.urandom(16)
+        assert client.request(ep, ww.with_token(write, guess)) == {
+            "ok": False,
+            "reason": "need_sink",
+        }
+        table = PageTable(receiver.base_ptr, 4096, 4096, 1)
+        reads = PageReads((table,), (table,), *group_ids((table,), (table,), ()), 0, ())
+        tables = ww.with_token(ww.tables_msg(name, reads), guess)
+        assert client.request(ep, tables) == {"ok": False, "reason": "need_sink"}
+        # an abort without the token leaves no mark: the sink's own write with that nonce runs
+        pre = client.request(ep, ww.with_token(ww.abort_msg(name, write["nonce"]), guess))
+        assert pre == {"ok": True, "state": "unknown"}
+        assert client.request(ep, _as_sink(receiver, sender, write)) == {"ok": True}
+        ran = client.request(ep, ww.with_token(ww.abort_msg(name, write["nonce"]), guess))
+        assert ran.get("state") == "unknown" or not ran["ok"], ran  # ended, or not its write
     finally:
         client.close()
         receiver.close()

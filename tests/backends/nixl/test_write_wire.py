@@ -17,6 +17,7 @@ from vllm_omni_kv.errors import KVTransferError
 
 SRC = (PageTable(1 << 20, 4096, 4096, 64), PageTable(1 << 24, 8192, 4096, 64))
 DST = (PageTable(1 << 30, 4096, 4096, 32), PageTable(1 << 31, 4096, 4096, 32))
+TOKEN = bytes(range(16))
 
 
 def _reads(pairs: np.ndarray) -> PageReads:
@@ -32,8 +33,9 @@ def test_a_move_parses_back_to_its_own_page_ids() -> None:
     assert (name, src, dst) == ("consumer", SRC, DST)
     msgs = ww.page_write_msgs("consumer", reads, 5.0)
     assert len(msgs) == 1 and len({m["nonce"] for m in msgs}) == 1
-    req = ww.parse_write(msgs[0])
+    req = ww.parse_write(ww.with_token(msgs[0], TOKEN))
     assert req.pages is not None and req.pages.tables == tid and req.ttl_s == 5.0
+    assert req.token == TOKEN and ww.token_of(ww.with_token(ww.abort_msg("c", TOKEN), TOKEN))
     s_ids, d_ids = ww.page_ids(req.pages, src, dst)
     assert s_ids.tolist() == reads.remote_ids.tolist()
     assert d_ids.tolist() == reads.local_ids.tolist()
@@ -46,15 +48,21 @@ def test_a_large_group_is_split_and_ranges_round_trip() -> None:
     reads = PageReads(big, big, *group_ids(big, big, groups), 0, groups)
     msgs = ww.page_write_msgs("c", reads, 1.0)
     assert len(msgs) == -(-4000 // ww.MAX_PAIRS)
-    got = [ww.parse_write(m) for m in msgs]
+    got = [ww.parse_write(ww.with_token(m, TOKEN)) for m in msgs]
     assert sum(len(r.pages.pairs) for r in got if r.pages is not None) == 4000
     rows = [(4096 * i, 8192 * i + 1, 100 + i) for i in range(700)]
-    out = [ww.parse_write(m).ranges for m in ww.range_write_msgs("c", rows, 1.0)]
+    msgs = ww.range_write_msgs("c", rows, 1.0)
+    out = [ww.parse_write(ww.with_token(m, TOKEN)).ranges for m in msgs]
     assert [tuple(r) for part in out if part is not None for r in part.tolist()] == rows
 
 
 def _valid_write() -> dict[str, Any]:
-    return ww.page_write_msgs("c", _reads(np.array([[1, 2]], dtype=np.int64)), 1.0)[0]
+    msg = ww.page_write_msgs("c", _reads(np.array([[1, 2], [3, 4]], dtype=np.int64)), 1.0)[0]
+    return ww.with_token(msg, TOKEN)
+
+
+def _rows(*rows: tuple[int, int, int]) -> bytes:
+    return np.array(rows, dtype="<u8").tobytes()
 
 
 @pytest.mark.parametrize(
@@ -62,7 +70,10 @@ def _valid_write() -> dict[str, Any]:
     [
         {"ttl_s": float("nan")},
         {"ttl_s": 1e9},
+        {"ttl_s": True},
         {"nonce": b"short"},
+        {"token": None},
+        {"token": b"short"},
         {"agent": ""},
         {"agent": "x\n"},
         {"groups": []},
@@ -72,7 +83,11 @@ def _valid_write() -> dict[str, Any]:
         {"tables": "not bytes"},
         {"ranges": b"\0" * 24},  # an empty range
         {"ranges": (np.array([[2**64 - 8, 0, 16]], dtype="<u8")).tobytes()},
+        {"ranges": _rows((8192, 0, 4096), (4096, 0, 4097))},  # destinations overlap
+        {"groups": [[np.array([0, 0], "<i4").tobytes(), np.array([1, 2], "<i4").tobytes()]]},
+        {"groups": [[np.array([0], "<i4").tobytes(), np.array([1, 2, 3, 2], "<i4").tobytes()]]},
     ],
+    ids=lambda c: next(iter(c)) + ("=" + repr(c[next(iter(c))])[:24]),
 )
 def test_malformed_writes_are_refused(change: dict[str, Any]) -> None:
     msg = {**_valid_write(), **change}
@@ -119,6 +134,7 @@ _ANY = st.recursive(
         st.sampled_from(
             [
                 "agent",
+                "token",
                 "nonce",
                 "ttl_s",
                 "tables",

@@ -3,6 +3,7 @@ loaded into our agent, and what its transfers will cross put on record."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from vllm_omni_kv.backends.nixl.memory import (
@@ -38,14 +39,23 @@ def ask_metadata(
     )
 
 
-def add_agent(agent: Any, md: bytes, name: str, where: str) -> None:
-    """Load ``md`` into ``agent``; it must name ``name``."""
+def add_agent(
+    agent: Any,
+    md: bytes,
+    name: str,
+    where: str,
+    stray: Callable[[str], None] | None = None,
+) -> None:
+    """Load ``md`` into ``agent``; it must name ``name``. Metadata that names another agent
+    is refused, and ``stray`` is given the name it loaded (to unload it unless in use)."""
     try:
         loaded = agent.add_remote_agent(md)
     except Exception as e:
         raise KVTransferError(f"NIXL could not load {name!r}'s metadata: {e}") from None
     loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
     if loaded != name:
+        if stray is not None:
+            stray(loaded)
         raise KVTransferError(f"NIXL metadata from {where} names {loaded!r}, not {name!r}")
 
 

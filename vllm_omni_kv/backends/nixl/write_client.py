@@ -120,7 +120,7 @@ class WriteClient:
         self.notices = Notices(agent)
         self._lock = threading.Lock()
         self._proving = threading.Lock()  # one proof at a time: each waits for its challenge
-        self._proven: set[str] = set()  # endpoints that took this agent as a sink
+        self._proven: dict[str, bytes] = {}  # endpoint -> our sink token there (its challenge)
         self._sets: OrderedDict[tuple[str, bytes], None] = OrderedDict()
 
     def write_pages(self, endpoint: str, peer: str, reads: PageReads, timeout_s: float) -> None:
@@ -130,7 +130,7 @@ class WriteClient:
         def setup(again: bool) -> None:
             self._prove(endpoint, peer, again)
             if again or (endpoint, tid) not in self._sets:
-                self._ask(endpoint, ww.tables_msg(self._name, reads))
+                self._ask(endpoint, self._signed(endpoint, ww.tables_msg(self._name, reads)))
                 with self._lock:
                     self._sets[(endpoint, tid)] = None
                     while len(self._sets) > MAX_SENT_SETS:
@@ -176,7 +176,14 @@ class WriteClient:
             )
         self._ask(endpoint, ww.proof_msg(self._name, got[0]))
         with self._lock:
-            self._proven.add(endpoint)
+            self._proven[endpoint] = got[0]
+
+    def _signed(self, endpoint: str, msg: dict[str, Any]) -> dict[str, Any]:
+        """``msg`` with this agent's sink token at ``endpoint`` (none yet: one the producer
+        refuses as ``need_sink``)."""
+        with self._lock:
+            token = self._proven.get(endpoint, bytes(ww.NONCE_BYTES))
+        return ww.with_token(msg, token)
 
     def _ask(self, endpoint: str, msg: dict[str, Any]) -> dict[str, Any]:
         reply = self._client.request(endpoint, msg, self._sc_timeout)
@@ -197,19 +204,18 @@ class WriteClient:
         timeout_s: float,
     ) -> None:
         deadline = time.monotonic() + timeout_s
-        posted: list[bytes] = []
+        posted: dict[bytes, bytes] = {}  # nonce -> the token it was last sent with
         try:
             setup(False)
             for msg in msgs:
                 self.notices.expect(msg["nonce"], peer)
-                posted.append(msg["nonce"])
-                self._post(endpoint, msg, setup, deadline)
-            failed = self._wait(posted, deadline)
+                self._post(endpoint, msg, setup, deadline, posted)
+            failed = self._wait(list(posted), deadline)
         except BaseException:
             self._wait_out(endpoint, posted)
             raise
         finally:
-            self.notices.forget(posted)
+            self.notices.forget(list(posted))
         if failed:
             raise KVTransferError(
                 f"NIXL agent {peer} at {endpoint} reported a failed write ({failed} of "
@@ -217,14 +223,25 @@ class WriteClient:
             )
 
     def _post(
-        self, endpoint: str, msg: dict[str, Any], setup: Callable[[bool], None], deadline: float
+        self,
+        endpoint: str,
+        msg: dict[str, Any],
+        setup: Callable[[bool], None],
+        deadline: float,
+        posted: dict[bytes, bytes],
     ) -> None:
-        reply = self._request(endpoint, msg, deadline)
+        """Send one write (again after a new setup where the producer asks for it); its
+        token goes into ``posted`` first (an abort must carry the token it ran under)."""
+        signed = self._signed(endpoint, msg)
+        posted[msg["nonce"]] = signed["token"]
+        reply = self._request(endpoint, signed, deadline)
         if reply.get("reason") in ("need_sink", "need_tables"):
             with self._lock:
-                self._proven.discard(endpoint)
+                self._proven.pop(endpoint, None)
             setup(True)
-            reply = self._request(endpoint, msg, deadline)
+            signed = self._signed(endpoint, msg)
+            posted[msg["nonce"]] = signed["token"]
+            reply = self._request(endpoint, signed, deadline)
         if not reply.get("ok"):
             raise KVTransferError(
                 f"the producer at {endpoint} refused a write: "
@@ -256,18 +273,18 @@ class WriteClient:
             raise KVTransferTimeout(f"{len(left)} NIXL writes did not end in time")
         return sum(failed)
 
-    def _wait_out(self, endpoint: str, nonces: list[bytes]) -> None:
-        """Return once no write of ``nonces`` can still land (see the module's text)."""
-        left = [n for n in nonces if self.notices.ended(n) is None]
+    def _wait_out(self, endpoint: str, posted: dict[bytes, bytes]) -> None:
+        """Return once no write of ``posted`` (nonce -> its token) can still land (see the
+        module's text)."""
+        left = [n for n in posted if self.notices.ended(n) is None]
         while left and not self._closed():
             still: list[bytes] = []
             for n in left:
                 if self.notices.ended(n) is not None:
                     continue
                 try:
-                    reply = self._client.request(
-                        endpoint, {"op": ww.ABORT_OP, "nonce": n}, self._sc_timeout
-                    )
+                    abort = ww.with_token(ww.abort_msg(self._name, n), posted[n])
+                    reply = self._client.request(endpoint, abort, self._sc_timeout)
                 except (KVTransferError, OSError) as e:
                     if _gone(endpoint):
                         return
@@ -292,7 +309,7 @@ class WriteClient:
                 self._proven.clear()
                 self._sets.clear()
                 return
-            self._proven.discard(endpoint)
+            self._proven.pop(endpoint, None)
             for key in [k for k in self._sets if k[0] == endpoint]:
                 del self._sets[key]
 

@@ -10,13 +10,21 @@ or RDMA where a READ of it may fall back to TCP). Four ops:
   challenge; the consumer proves it is that agent with ``nixl_sink`` ``{agent, proof}``
   (the challenge), and only then may writes go to it. So metadata a client copied from
   another agent (a dual connector serves its own) never lets it aim writes at that agent;
-- ``nixl_tables`` ``{agent, id, src, dst}``: a pair of page-table sets (producer's source,
-  consumer's destination; rows ``(base, stride, page bytes, count)``) under an id;
-- ``nixl_write`` ``{agent, nonce, ttl_s, tables, groups}`` (pages by index, groups of
-  ``(layers, pairs)`` as little-endian int32) or ``{agent, nonce, ttl_s, ranges}``
-  (``(destination, source, bytes)`` rows as little-endian uint64); answered at once,
-  the end of the write comes as a NIXL notification ``D``/``E`` + nonce;
-- ``nixl_write_abort`` ``{nonce}``: stop that write; ``{state}`` says what it was.
+- ``nixl_tables`` ``{agent, token, id, src, dst}``: a pair of page-table sets (producer's
+  source, consumer's destination; rows ``(base, stride, page bytes, count)``) under an id;
+- ``nixl_write`` ``{agent, token, nonce, ttl_s, tables, groups}`` (pages by index, groups of
+  ``(layers, pairs)`` as little-endian int32; each layer once, each destination page once) or
+  ``{agent, token, nonce, ttl_s, ranges}`` (``(destination, source, bytes)`` rows as
+  little-endian uint64, destinations disjoint); answered at once, the end of the write
+  comes as a NIXL notification ``D``/``E`` + nonce;
+- ``nixl_write_abort`` ``{agent, token, nonce}``: stop that write; ``{state}`` says what it
+  was.
+
+``token`` is the challenge of the sink's last proof (:func:`with_token`): only the proven
+agent and the producer know it, so a client that can reach the side channel but not
+receive the agent's notifications can neither aim writes or table sets at that sink nor
+abort its writes. (Against a client that can read the side channel's traffic, set an
+``auth_key_file``: the keyed envelope then refuses every request not sealed with the key.)
 
 Every field is checked here (type, size, range) before the producer acts on it; a
 malformed message raises :class:`~vllm_omni_kv.errors.KVTransferError`, which the side
@@ -71,6 +79,7 @@ class PageGroup:
 @dataclass(frozen=True)
 class WriteRequest:
     agent: str
+    token: bytes
     nonce: bytes
     ttl_s: float
     pages: PageGroup | None  # pages by index into a table set ...
@@ -135,6 +144,15 @@ def _write(agent: str, ttl_s: float, body: dict[str, Any]) -> dict[str, Any]:
     return {"op": WRITE_OP, "agent": agent, "nonce": nonce, "ttl_s": float(ttl_s), **body}
 
 
+def abort_msg(agent: str, nonce: bytes) -> dict[str, Any]:
+    return {"op": ABORT_OP, "agent": agent, "nonce": nonce}
+
+
+def with_token(msg: dict[str, Any], token: bytes) -> dict[str, Any]:
+    """``msg`` (tables, write or abort) carrying the sink's token (its last proof)."""
+    return {**msg, "token": token}
+
+
 # -- the producer's side ---------------------------------------------------------------
 def _bad(what: str) -> KVTransferError:
     return KVTransferError(f"malformed NIXL write request: {what}")
@@ -153,6 +171,11 @@ def _bytes(msg: dict[str, Any], key: str, most: int, exact: int | None = None) -
 def nonce_of(msg: dict[str, Any]) -> bytes:
     """The nonce of a ``nixl_write_abort``."""
     return _bytes(msg, "nonce", NONCE_BYTES, NONCE_BYTES)
+
+
+def token_of(msg: dict[str, Any]) -> bytes:
+    """The sink token of a tables, write or abort message."""
+    return _bytes(msg, "token", NONCE_BYTES, NONCE_BYTES)
 
 
 def agent_of(msg: dict[str, Any]) -> str:
@@ -219,9 +242,19 @@ def parse_write(msg: dict[str, Any]) -> WriteRequest:
     """A checked ``nixl_write`` (its page ids are checked against its table set by
     :func:`page_ids`, once the producer found the set)."""
     ttl = msg.get("ttl_s")
-    if not isinstance(ttl, float | int) or not 0 < ttl <= MAX_TTL_S or not math.isfinite(ttl):
+    if (
+        not isinstance(ttl, float | int)
+        or isinstance(ttl, bool)
+        or not 0 < ttl <= MAX_TTL_S
+        or not math.isfinite(ttl)
+    ):
         raise _bad(f"ttl_s must be in (0, {MAX_TTL_S:.0f}]")
-    base = (agent_of(msg), _bytes(msg, "nonce", NONCE_BYTES, NONCE_BYTES), float(ttl))
+    base = (
+        agent_of(msg),
+        token_of(msg),
+        _bytes(msg, "nonce", NONCE_BYTES, NONCE_BYTES),
+        float(ttl),
+    )
     if "ranges" in msg:
         raw = _bytes(msg, "ranges", MAX_RANGES * 24)
         if not raw or len(raw) % 24:
@@ -229,6 +262,9 @@ def parse_write(msg: dict[str, Any]) -> WriteRequest:
         rows = np.frombuffer(raw, dtype="<u8").reshape(-1, 3)
         if (rows[:, 2] == 0).any() or (rows[:, :2] > _U64 - 1 - rows[:, 2:3]).any():
             raise _bad("a range is empty or runs past the address space")
+        by_dst = rows[np.argsort(rows[:, 0], kind="stable")]
+        if (by_dst[1:, 0] < by_dst[:-1, 0] + by_dst[:-1, 2]).any():
+            raise _bad("two ranges overlap in the destination")
         return WriteRequest(*base, None, rows)
     tid = _bytes(msg, "tables", 16, 16)
     groups = msg.get("groups")
@@ -243,6 +279,8 @@ def parse_write(msg: dict[str, Any]) -> WriteRequest:
         raise _bad("a group is [int32 layers, int32 pairs], neither empty")
     layers = np.frombuffer(layers_raw, dtype="<i4").astype(np.int64)
     pairs = np.frombuffer(pairs_raw, dtype="<i4").astype(np.int64).reshape(-1, 2)
+    if len(np.unique(layers)) != len(layers) or len(np.unique(pairs[:, 1])) != len(pairs):
+        raise _bad("a layer, or a destination page, appears twice in a group")
     return WriteRequest(*base, PageGroup(tid, layers, pairs), None)
 
 

@@ -2,24 +2,28 @@
 
 A consumer becomes a *sink* in two steps (:mod:`.write_wire`): its metadata is loaded and
 a challenge is sent to the agent it names as a NIXL notification; the consumer's echo of
-the challenge proves it is that agent. A ``nixl_write`` is then checked against the sink's
+the challenge proves it is that agent, and stays its token: table sets, writes and aborts
+for the sink must carry it. A ``nixl_write`` is then checked against the sink's
 registered ranges and this agent's, made from prepared lists (pages) or descriptors
 (ranges), posted with the notification ``D`` + nonce (NIXL delivers it after the bytes),
 and answered at once. A reaper thread releases each write when it ends; one that fails or
 outruns its ``ttl_s`` is aborted and its sink told ``E`` + nonce. ``nixl_write_abort``
 stops a write; the nonce of one not (yet) seen is remembered, so a late request with it is
-refused. Everything is bounded: :data:`MAX_SINKS`, :data:`MAX_PENDING`, :data:`MAX_SETS`,
-:data:`MAX_RUNNING`, :data:`MAX_TOMBS`.
+refused. A write's handle is checked and released only under its own lock, once: the
+reaper and an abort never touch a released handle. Everything is bounded:
+:data:`MAX_SINKS`, :data:`MAX_PENDING`, :data:`MAX_SETS`, :data:`MAX_RUNNING` (and
+:data:`MAX_RUNNING_PER_SINK`), :data:`MAX_TOMBS`.
 """
 
 from __future__ import annotations
 
+import hmac
 import os
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -40,6 +44,7 @@ MAX_PENDING = 64
 PENDING_S = 30.0
 MAX_SETS = 256
 MAX_RUNNING = 1024
+MAX_RUNNING_PER_SINK = 256
 MAX_TOMBS = 4096
 TOMB_S = 600.0
 
@@ -47,10 +52,36 @@ TableSet = tuple[tuple[PageTable, ...], tuple[PageTable, ...]]
 
 
 @dataclass
+class _Sink:
+    spans: list[Span]
+    token: bytes  # the challenge of its proof
+
+
+@dataclass
 class _Running:
     handle: Any
     sink: str
+    token: bytes
     deadline: float
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    released: bool = False
+
+    def state(self, agent: Any) -> str:
+        """NIXL's state of the write; ``RELEASED`` once its handle was released."""
+        with self.lock:
+            if self.released:
+                return "RELEASED"
+            try:
+                return str(agent.check_xfer_state(self.handle))
+            except Exception:
+                return "ERR"
+
+    def release(self) -> bool:
+        """Release the handle once (NIXL aborts a running write); False where it refused."""
+        with self.lock:
+            if not self.released:
+                self.released = _release(self.handle)
+            return self.released
 
 
 class Writer:
@@ -66,7 +97,7 @@ class Writer:
     ) -> None:
         self._agent, self._prepared, self._spans, self._unload = agent, prepared, spans, unload
         self._lock = threading.Condition()
-        self._sinks: OrderedDict[str, list[Span]] = OrderedDict()
+        self._sinks: OrderedDict[str, _Sink] = OrderedDict()
         self._pending: OrderedDict[str, tuple[list[Span], bytes, float]] = OrderedDict()
         self._sets: OrderedDict[tuple[str, bytes], TableSet] = OrderedDict()
         self._running: dict[bytes, _Running] = {}
@@ -95,7 +126,7 @@ class Writer:
                 if entry is None or entry[1] != proof[1] or entry[2] < time.monotonic():
                     return {"ok": False, "reason": "error", "error": "no such challenge"}
                 del self._pending[proof[0]]
-                self._sinks[proof[0]] = entry[0]
+                self._sinks[proof[0]] = _Sink(entry[0], entry[1])
                 evicted = (
                     self._sinks.popitem(last=False)[0] if len(self._sinks) > MAX_SINKS else None
                 )
@@ -120,18 +151,28 @@ class Writer:
 
     def _load(self, name: str, md: bytes) -> None:
         try:
-            add_agent(self._agent, md, name, f"a nixl_sink request for {name!r}")
+            add_agent(self._agent, md, name, f"a nixl_sink request for {name!r}", self._stray)
         except KVTransferError:
-            with self._lock:
-                known = name in self._sinks
-            if not known:
-                self._unload(name)
+            self._stray(name)
             raise
+
+    def _stray(self, name: str) -> None:
+        """Unload ``name`` (loaded by a failed ``nixl_sink``) unless it is a sink here."""
+        with self._lock:
+            known = name in self._sinks or name in self._pending
+        if not known:
+            self._unload(name)
+
+    def _sink_of(self, agent: str, token: bytes) -> _Sink | None:
+        """The proven sink ``agent`` if ``token`` is its token (under the lock)."""
+        sink = self._sinks.get(agent)
+        return sink if sink is not None and hmac.compare_digest(sink.token, token) else None
 
     def _table_set(self, msg: dict[str, Any]) -> dict[str, Any]:
         name, tid, src, dst = ww.parse_tables(msg)
+        token = ww.token_of(msg)
         with self._lock:
-            if name not in self._sinks:
+            if self._sink_of(name, token) is None:
                 return {"ok": False, "reason": "need_sink"}
             self._sets[(name, tid)] = (src, dst)
             self._sets.move_to_end((name, tid))
@@ -151,23 +192,24 @@ class Writer:
     # -- writes ----------------------------------------------------------------------
     def _write(self, req: ww.WriteRequest) -> dict[str, Any]:
         with self._lock:
-            sink = self._sinks.get(req.agent)
+            sink = self._sink_of(req.agent, req.token)
             if sink is None:
                 return {"ok": False, "reason": "need_sink"}
             self._sinks.move_to_end(req.agent)
             if req.nonce in self._tombs or req.nonce in self._running:
                 return {"ok": False, "reason": "error", "error": "nonce already used"}
-            if len(self._running) >= MAX_RUNNING:
+            mine = sum(1 for r in self._running.values() if r.sink == req.agent)
+            if len(self._running) >= MAX_RUNNING or mine >= MAX_RUNNING_PER_SINK:
                 return {"ok": False, "reason": "busy"}
             tset = self._sets.get((req.agent, req.pages.tables)) if req.pages else None
             if req.pages is not None and tset is None:
                 return {"ok": False, "reason": "need_tables"}
         notif = b"D" + req.nonce
         if req.pages is not None and tset is not None:
-            make = self._pages(req.agent, sink, req.pages, tset, notif)
+            make = self._pages(req.agent, sink.spans, req.pages, tset, notif)
         else:
             assert req.ranges is not None
-            make = self._ranges(req.agent, sink, req.ranges, notif)
+            make = self._ranges(req.agent, sink.spans, req.ranges, notif)
         self._post(req, make)
         return {"ok": True}
 
@@ -221,7 +263,8 @@ class Writer:
             _release(handle)
             raise KVTransferError(f"NIXL refused a write to {req.agent!r} (ERR)")
         with self._lock:
-            self._running[req.nonce] = _Running(handle, req.agent, time.monotonic() + req.ttl_s)
+            deadline = time.monotonic() + req.ttl_s
+            self._running[req.nonce] = _Running(handle, req.agent, req.token, deadline)
             if self._reaper is None:
                 self._reaper = threading.Thread(target=self._reap, name="omnikv-nixl-writes")
                 self._reaper.daemon = True
@@ -229,20 +272,22 @@ class Writer:
             self._lock.notify()
 
     def _abort(self, msg: dict[str, Any]) -> dict[str, Any]:
-        nonce = ww.nonce_of(msg)
+        nonce, agent, token = ww.nonce_of(msg), ww.agent_of(msg), ww.token_of(msg)
         with self._lock:
             run = self._running.get(nonce)
-            if run is None:
-                self._tomb(nonce)
+            if run is None:  # not seen (yet): refused when it comes, if its sink sent this
+                if self._sink_of(agent, token) is not None:
+                    self._tomb(nonce)
                 return {"ok": True, "state": "unknown"}
-        state = self._state(run)
-        if state == "PROC" and not _release(run.handle):
+            if run.sink != agent or not hmac.compare_digest(run.token, token):
+                return {"ok": False, "reason": "error", "error": "not a write of this sink"}
+        state = run.state(self._agent)
+        if state == "PROC" and not run.release():
             return {"ok": True, "state": "running"}
         with self._lock:
             self._running.pop(nonce, None)
             self._tomb(nonce)
-        if state == "DONE":
-            _release(run.handle)
+        run.release()
         return {"ok": True, "state": "done" if state == "DONE" else "aborted"}
 
     def _tomb(self, nonce: bytes) -> None:
@@ -254,12 +299,6 @@ class Writer:
             self._tombs.popitem(last=False)
 
     # -- the reaper ------------------------------------------------------------------
-    def _state(self, run: _Running) -> str:
-        try:
-            return str(self._agent.check_xfer_state(run.handle))
-        except Exception:
-            return "ERR"
-
     def _reap(self) -> None:
         backoff = Backoff()
         while True:
@@ -271,20 +310,20 @@ class Writer:
                     return
                 runs = list(self._running.items())
             for nonce, run in runs:
-                self._settle(nonce, run, self._state(run))
+                self._settle(nonce, run, run.state(self._agent))
             backoff.sleep()
 
     def _settle(self, nonce: bytes, run: _Running, state: str) -> None:
-        if state == "PROC" and time.monotonic() < run.deadline:
-            return
-        if state != "DONE" and not _release(run.handle):
+        if state == "RELEASED" or (state == "PROC" and time.monotonic() < run.deadline):
+            return  # an abort released it (and ends its entry), or it still runs
+        if state != "DONE" and not run.release():
             run.deadline = time.monotonic() + 0.1  # cannot abort yet: try again shortly
             return
         with self._lock:
             if self._running.pop(nonce, None) is None:
                 return  # aborted meanwhile
         if state == "DONE":
-            _release(run.handle)
+            run.release()
             return
         logger.warning("NIXL write to %s ended %s; the sink is told", run.sink, state)
         try:
@@ -300,7 +339,7 @@ class Writer:
             runs, self._running = list(self._running.values()), {}
             self._lock.notify_all()
         for run in runs:
-            _release(run.handle)
+            run.release()
         if self._reaper is not None:
             self._reaper.join(timeout=2.0)
         # no reference to the agent outlives its engine's close (its UCX progress thread

@@ -1,0 +1,135 @@
+"""The producer's half of the WRITE direction (:class:`~vllm_omni_kv.backends.nixl.writer.Writer`),
+driven through its side-channel ops, engine-free.
+
+The agent here is a stand-in that records how the writer uses NIXL transfer handles: a
+check of a handle after its release reads freed native memory in NIXL (a crash or a
+corruption of the producer), which a real agent cannot be made to show on demand.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from vllm_omni_kv.backends.nixl import write_wire as ww
+from vllm_omni_kv.backends.nixl.writer import Writer
+from vllm_omni_kv.errors import KVTransferError
+
+SPAN = [0, 1 << 20, "DRAM", 0]
+
+
+class _Handle:
+    def __init__(self) -> None:
+        self.releases = 0
+
+    def release(self) -> None:
+        self.releases += 1
+        time.sleep(0.002)  # widens the window an abort and the reaper race in
+
+
+class _Agent:
+    """Writes that run until released; every check of a released handle is noted."""
+
+    def __init__(self) -> None:
+        self.handles: list[_Handle] = []
+        self.misuse: list[str] = []
+        self.challenges: dict[str, bytes] = {}
+
+    def add_remote_agent(self, md: bytes) -> bytes:
+        return md  # the "metadata" is the agent's name
+
+    def remove_remote_agent(self, name: str) -> None:
+        pass
+
+    def send_notif(self, name: str, msg: bytes) -> None:
+        if msg[:1] == b"C":
+            self.challenges[name] = msg[1:]
+
+    def get_xfer_descs(self, descs: Any, mem: str) -> Any:
+        return descs
+
+    def initialize_xfer(self, *args: Any) -> _Handle:
+        self.handles.append(_Handle())
+        return self.handles[-1]
+
+    def transfer(self, handle: _Handle) -> str:
+        return "PROC"
+
+    def check_xfer_state(self, handle: _Handle) -> str:
+        if handle.releases:
+            self.misuse.append("checked after its release")
+        time.sleep(0.001)
+        return "PROC"
+
+
+def _proven(agent: _Agent, w: Writer, name: str) -> bytes:
+    assert w({"op": ww.SINK_OP, "agent": name, "md": name.encode(), "spans": [SPAN]})["ok"]
+    token = agent.challenges[name]
+    assert w(ww.proof_msg(name, token)) == {"ok": True}
+    return token
+
+
+def test_aborts_racing_the_reaper_never_touch_a_released_handle() -> None:
+    agent = _Agent()
+    w = Writer(agent, None, lambda: [tuple(SPAN)], lambda _n: None)  # type: ignore[arg-type, list-item]
+    try:
+        token = _proven(agent, w, "v")
+        for i in range(100):
+            msg = ww.with_token(ww.range_write_msgs("v", [(4096, 8192, 4096)], 600.0)[0], token)
+            assert w(msg) == {"ok": True}
+            time.sleep(0.003)  # the reaper is checking it now and then
+            abort = ww.with_token(ww.abort_msg("v", msg["nonce"]), token)
+            assert w(abort)["state"] == "aborted", i
+        time.sleep(0.05)
+    finally:
+        w.close()
+    assert agent.misuse == []
+    assert [h.releases for h in agent.handles] == [1] * 100
+
+
+def test_close_during_checks_releases_each_write_once() -> None:
+    agent = _Agent()
+    w = Writer(agent, None, lambda: [tuple(SPAN)], lambda _n: None)  # type: ignore[arg-type, list-item]
+    token = _proven(agent, w, "v")
+    for _ in range(50):
+        msg = ww.range_write_msgs("v", [(4096, 8192, 4096)], 600.0)[0]
+        assert w(ww.with_token(msg, token)) == {"ok": True}
+    time.sleep(0.01)  # the reaper is checking them
+    w.close()
+    assert agent.misuse == []
+    assert [h.releases for h in agent.handles] == [1] * 50
+
+
+def test_one_sink_cannot_take_every_write_slot() -> None:
+    from vllm_omni_kv.backends.nixl import writer
+
+    agent = _Agent()
+    w = Writer(agent, None, lambda: [tuple(SPAN)], lambda _n: None)  # type: ignore[arg-type, list-item]
+    try:
+        hog, other = _proven(agent, w, "hog"), _proven(agent, w, "other")
+        for _ in range(writer.MAX_RUNNING_PER_SINK):
+            msg = ww.range_write_msgs("hog", [(4096, 8192, 4096)], 600.0)[0]
+            assert w(ww.with_token(msg, hog)) == {"ok": True}
+        more = ww.range_write_msgs("hog", [(4096, 8192, 4096)], 600.0)[0]
+        assert w(ww.with_token(more, hog)) == {"ok": False, "reason": "busy"}
+        theirs = ww.range_write_msgs("other", [(4096, 8192, 4096)], 600.0)[0]
+        assert w(ww.with_token(theirs, other)) == {"ok": True}
+    finally:
+        w.close()
+
+
+def test_metadata_naming_another_agent_is_unloaded() -> None:
+    """A ``nixl_sink`` whose metadata names another agent than it claims is refused, and
+    the agent it loaded is unloaded (no remote agent piles up per such request)."""
+    agent, unloaded = _Agent(), []
+    w = Writer(agent, None, lambda: [tuple(SPAN)], unloaded.append)  # type: ignore[arg-type, list-item]
+    try:
+        for i in range(3):
+            msg = {"op": ww.SINK_OP, "agent": "a", "md": f"stray{i}".encode(), "spans": [SPAN]}
+            with pytest.raises(KVTransferError, match="names"):
+                w(msg)
+        assert {"stray0", "stray1", "stray2"} <= set(unloaded)
+    finally:
+        w.close()
