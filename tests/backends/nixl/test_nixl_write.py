@@ -203,7 +203,7 @@ def test_page_writes_post_once_per_group_whatever_the_pages() -> None:
     dst = _registered_cache(receiver)
     src.copy_(torch.randint(-128, 127, src.shape, dtype=torch.int8))
     posts: list[str] = []
-    w = sender.engine._writer  # type: ignore[attr-defined]
+    w = sender.engine.writer  # type: ignore[attr-defined]
     inner = w._agent.make_prepped_xfer
     w._agent.make_prepped_xfer = lambda *a, **k: posts.append(a[0]) or inner(*a, **k)
     try:
@@ -236,3 +236,24 @@ def test_closed_connectors_let_go_of_their_agents_at_once() -> None:
         assert [a() for a in agents] == [None, None]
     finally:
         gc.enable()
+
+
+def test_a_closing_producer_ends_its_writes_before_refusing_connections() -> None:
+    """A consumer takes a refused side-channel connection for "no write of that producer
+    can land any more": when a producer closes, its writes are ended (aborted) while its
+    side channel still accepts connections."""
+    from vllm_omni_kv.backends.nixl.write_client import _gone
+
+    sender = _conn("sender")
+    endpoint, writer = _endpoint(sender), sender.engine.writer  # type: ignore[attr-defined]
+    refused_at_close: list[bool] = []
+    close = writer.close
+
+    def spy() -> None:
+        refused_at_close.append(_gone(endpoint))
+        close()
+
+    writer.close = spy
+    sender.close()
+    assert refused_at_close[:1] == [False], "the side channel closed before the writes ended"
+    assert _gone(endpoint)

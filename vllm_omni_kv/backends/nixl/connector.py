@@ -94,7 +94,7 @@ class NixlPullConnector(CacheRegionConnector):
     def _handle(self, msg: dict[str, Any]) -> dict[str, Any]:
         if msg.get("op") in WRITE_OPS:
             assert self._nixl is not None
-            return self._nixl.serve_write(msg)
+            return self._nixl.writer(msg)
         if msg.get("op") == MD_OP:
             assert self._nixl is not None
             try:
@@ -102,6 +102,13 @@ class NixlPullConnector(CacheRegionConnector):
             except Exception as e:  # closing: the agent is gone
                 return {"ok": False, "reason": "error", "error": f"{type(e).__name__}: {e}"}
         return super()._handle(msg)
+
+    def _shutdown(self) -> None:
+        """The producer's writes end (aborted) before its side channel closes: a consumer
+        takes a refused connection for "no write of that producer can land any more"."""
+        if self._nixl is not None:
+            self._nixl.writer.close()
+        super()._shutdown()
 
     @property
     def agent_name(self) -> str:

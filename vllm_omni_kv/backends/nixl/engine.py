@@ -131,7 +131,9 @@ class NixlEngine:
         self._client = SideChannelClient(handshake_timeout_s, auth=auth)
         self._closed = False
         self.direction = direction
-        self._writer = Writer(self.agent, self._prepared, self._spans, self._unload_sink)
+        self.writer = Writer(  # serves the WRITE direction's side-channel ops
+            self.agent, self._prepared, self._spans, self._unload_sink
+        )
         self._writes = WriteClient(
             self.agent, self.name, self._spans, self._client, handshake_timeout_s, self._is_closed
         )
@@ -144,10 +146,6 @@ class NixlEngine:
         """What a peer needs to read from this agent (served under :data:`MD_OP`)."""
         spans = [list(span) for span in self._spans()]
         return {"agent": self.name, "metadata": self.agent.get_agent_metadata(), "spans": spans}
-
-    def serve_write(self, msg: dict[str, Any]) -> dict[str, Any]:
-        """Answer one of the WRITE direction's side-channel ops (:mod:`.writer`)."""
-        return self._writer(msg)
 
     def _spans(self) -> list[Span]:
         with self._lock:
@@ -436,7 +434,7 @@ class NixlEngine:
                 return
             self._closed = True
             peers, self._peers = list(self._peers.values()), OrderedDict()
-        self._writer.close()
+        self.writer.close()
         self._prepared.close(self.agent)
         for p in peers:
             self._unload(p.name)
