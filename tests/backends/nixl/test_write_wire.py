@@ -157,3 +157,17 @@ def test_any_message_parses_or_is_a_transfer_error(msg: dict[str, Any]) -> None:
             parse(msg)
         except KVTransferError:
             pass
+
+
+def test_page_indices_past_int32_are_refused() -> None:
+    """Writes are posted by int32 index into the concatenated tables: a checked index past
+    2**31 - 1 would wrap to another page."""
+    big = PageTable(0, 4096, 4096, 2**31 - 1)
+    msg = _valid_write()
+    msg["groups"][0] = [np.array([1], "<i4").tobytes(), np.array([5, 5], "<i4").tobytes()]
+    req = ww.parse_write(msg)
+    assert req.pages is not None
+    with pytest.raises(KVTransferError, match="int32"):
+        ww.page_ids(req.pages, (big, big), (big, big))
+    ok = ww.page_ids(req.pages, (SRC[0], big), (DST[0], big))
+    assert ok[0].tolist() == [64 + 5]

@@ -133,3 +133,40 @@ def test_metadata_naming_another_agent_is_unloaded() -> None:
         assert {"stray0", "stray1", "stray2"} <= set(unloaded)
     finally:
         w.close()
+
+
+class _FailingAgent(_Agent):
+    """``transfer`` fails after NIXL may have posted part of the write, and the first
+    release of its handle is refused."""
+
+    def transfer(self, handle: _Handle) -> str:
+        raise RuntimeError("post failed midway")
+
+    def initialize_xfer(self, *args: Any) -> _Handle:
+        handle = _RefusingHandle()
+        self.handles.append(handle)
+        return handle
+
+
+class _RefusingHandle(_Handle):
+    def release(self) -> None:
+        self.releases += 1
+        if self.releases == 1:
+            raise RuntimeError("cannot abort yet")
+
+
+def test_a_failed_post_whose_handle_cannot_be_released_is_still_tracked() -> None:
+    """The sink's abort of a write whose post failed must find it while NIXL may still
+    move its bytes, not answer "unknown" (which lets the sink reuse the memory)."""
+    agent = _FailingAgent()
+    w = Writer(agent, None, lambda: [tuple(SPAN)], lambda _n: None)  # type: ignore[arg-type, list-item]
+    try:
+        token = _proven(agent, w, "v")
+        msg = ww.with_token(ww.range_write_msgs("v", [(4096, 8192, 4096)], 600.0)[0], token)
+        with pytest.raises(KVTransferError, match="post failed midway"):
+            w(msg)
+        reply = w(ww.with_token(ww.abort_msg("v", msg["nonce"]), token))
+        assert reply["ok"] and reply["state"] != "unknown", reply
+    finally:
+        w.close()
+    assert agent.handles[0].releases >= 2

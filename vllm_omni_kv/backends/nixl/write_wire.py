@@ -61,6 +61,8 @@ MAX_TABLES = 256
 MAX_SPANS = 64
 MAX_MD = 8 << 10
 MAX_NAME = 128
+#: page indices into a table set's prepared list are int32 (NIXL's index lists)
+MAX_INDEX = 2**31 - 1
 #: the longest a producer lets one write run (seconds)
 MAX_TTL_S = 600.0
 _U64 = 2**64
@@ -298,4 +300,7 @@ def page_ids(
     if pairs[:, 0].max() >= s_max or pairs[:, 1].max() >= d_max:
         raise _bad("a page id is past its table")
     group: tuple[Group, ...] = ((layers, pairs),)
-    return group_ids(src, dst, group)
+    s_ids, d_ids = group_ids(src, dst, group)
+    if max(int(s_ids.max()), int(d_ids.max())) > MAX_INDEX:
+        raise _bad(f"a page index past {MAX_INDEX} (writes are posted by int32 index)")
+    return s_ids, d_ids

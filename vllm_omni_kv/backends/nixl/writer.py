@@ -254,14 +254,23 @@ class Writer:
         return make
 
     def _post(self, req: ww.WriteRequest, make: Callable[[], Any]) -> None:
+        """Post one write and track it. A post that failed once its handle existed is
+        tracked too unless its handle is released: NIXL may have posted part of it, so the
+        sink's abort must find it (the reaper releases it)."""
         try:
             handle = make()
-            state = self._agent.transfer(handle)
         except Exception as e:
-            raise KVTransferError(f"NIXL could not post a write to {req.agent!r}: {e}") from None
+            raise KVTransferError(f"NIXL could not make a write to {req.agent!r}: {e}") from None
+        try:
+            state, why = str(self._agent.transfer(handle)), "ERR"
+        except Exception as e:
+            state, why = "ERR", str(e)
+        if state != "ERR" or not _release(handle):
+            self._track(req, handle)
         if state == "ERR":
-            _release(handle)
-            raise KVTransferError(f"NIXL refused a write to {req.agent!r} (ERR)")
+            raise KVTransferError(f"NIXL could not post a write to {req.agent!r}: {why}")
+
+    def _track(self, req: ww.WriteRequest, handle: Any) -> None:
         with self._lock:
             deadline = time.monotonic() + req.ttl_s
             self._running[req.nonce] = _Running(handle, req.agent, req.token, deadline)
