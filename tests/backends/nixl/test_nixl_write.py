@@ -257,3 +257,36 @@ def test_a_closing_producer_ends_its_writes_before_refusing_connections() -> Non
     sender.close()
     assert refused_at_close[:1] == [False], "the side channel closed before the writes ended"
     assert _gone(endpoint)
+
+
+def test_a_producer_that_never_challenges_does_not_hold_up_proofs_to_others() -> None:
+    """A consumer proving itself to a producer that never sends its challenge (paused,
+    or unable to reach it over UCX) waits up to its side-channel timeout for it; proofs
+    and moves to other producers go on meanwhile."""
+    from vllm_omni_kv.backends.pull.side_channel import SideChannelServer
+
+    silent = SideChannelServer("127.0.0.1", 0, lambda m: {"ok": True, "challenged": True})
+    sender = _conn("sender")
+    receiver = _conn("receiver", nixl_direction="write", side_channel_timeout_s=8.0)
+    writes = receiver.engine._writes  # type: ignore[attr-defined]
+    failed: list[BaseException] = []
+
+    def prove_to_silent() -> None:
+        try:
+            writes._prove(silent.endpoint, "silent-agent", False)
+        except KVTransferError as e:
+            failed.append(e)
+
+    t = threading.Thread(target=prove_to_silent)
+    try:
+        t.start()
+        time.sleep(0.3)  # its proof is waiting for a challenge that never comes
+        assert pull_round_trip(sender, receiver) is None  # proves itself to the sender
+        assert t.is_alive(), "the silent producer's proof ended before the other move"
+        t.join(30)
+        assert failed and "no challenge" in str(failed[0])
+    finally:
+        t.join(30)
+        receiver.close()
+        sender.close()
+        silent.close()

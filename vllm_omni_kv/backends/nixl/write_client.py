@@ -119,7 +119,9 @@ class WriteClient:
         self._closed = closed
         self.notices = Notices(agent)
         self._lock = threading.Lock()
-        self._proving = threading.Lock()  # one proof at a time: each waits for its challenge
+        #: one proof at a time per producer agent (each waits for that agent's challenge);
+        #: proofs to other producers go on meanwhile
+        self._proving: dict[str, threading.Lock] = {}
         self._proven: dict[str, bytes] = {}  # endpoint -> our sink token there (its challenge)
         self._sets: OrderedDict[tuple[str, bytes], None] = OrderedDict()
 
@@ -151,9 +153,19 @@ class WriteClient:
     def _prove(self, endpoint: str, peer: str, again: bool) -> None:
         if not again and endpoint in self._proven:
             return
-        with self._proving:
+        with self._proof_lock(peer):
             if again or endpoint not in self._proven:
                 self._prove_now(endpoint, peer)
+
+    def _proof_lock(self, peer: str) -> threading.Lock:
+        """``peer``'s proof lock (at most :data:`MAX_SENT_SETS` kept: idle ones go first)."""
+        with self._lock:
+            lock = self._proving.setdefault(peer, threading.Lock())
+            if len(self._proving) > MAX_SENT_SETS:
+                for name in [n for n, lk in self._proving.items() if not lk.locked()]:
+                    if name != peer and len(self._proving) > MAX_SENT_SETS:
+                        del self._proving[name]
+            return lock
 
     def _prove_now(self, endpoint: str, peer: str) -> None:
         self.notices.expect_challenge(peer)
