@@ -64,6 +64,16 @@ class _Agent:
         return "PROC"
 
 
+def _writer(agent: _Agent, unload: Any = lambda _n: None) -> Writer:
+    """A writer over ``agent`` whose own memory is :data:`SPAN`."""
+    return Writer(agent, None, lambda: [tuple(SPAN)], unload)  # type: ignore[arg-type, list-item]
+
+
+def _write(name: str, token: bytes) -> dict[str, Any]:
+    """A one-range write for sink ``name``, signed with ``token``."""
+    return ww.with_token(ww.range_write_msgs(name, [(4096, 8192, 4096)], 600.0)[0], token)
+
+
 def _proven(agent: _Agent, w: Writer, name: str) -> bytes:
     assert w({"op": ww.SINK_OP, "agent": name, "md": name.encode(), "spans": [SPAN]})["ok"]
     token = agent.challenges[name]
@@ -73,11 +83,11 @@ def _proven(agent: _Agent, w: Writer, name: str) -> bytes:
 
 def test_aborts_racing_the_reaper_never_touch_a_released_handle() -> None:
     agent = _Agent()
-    w = Writer(agent, None, lambda: [tuple(SPAN)], lambda _n: None)  # type: ignore[arg-type, list-item]
+    w = _writer(agent)
     try:
         token = _proven(agent, w, "v")
         for i in range(100):
-            msg = ww.with_token(ww.range_write_msgs("v", [(4096, 8192, 4096)], 600.0)[0], token)
+            msg = _write("v", token)
             assert w(msg) == {"ok": True}
             time.sleep(0.003)  # the reaper is checking it now and then
             abort = ww.with_token(ww.abort_msg("v", msg["nonce"]), token)
@@ -91,11 +101,10 @@ def test_aborts_racing_the_reaper_never_touch_a_released_handle() -> None:
 
 def test_close_during_checks_releases_each_write_once() -> None:
     agent = _Agent()
-    w = Writer(agent, None, lambda: [tuple(SPAN)], lambda _n: None)  # type: ignore[arg-type, list-item]
+    w = _writer(agent)
     token = _proven(agent, w, "v")
     for _ in range(50):
-        msg = ww.range_write_msgs("v", [(4096, 8192, 4096)], 600.0)[0]
-        assert w(ww.with_token(msg, token)) == {"ok": True}
+        assert w(_write("v", token)) == {"ok": True}
     time.sleep(0.01)  # the reaper is checking them
     w.close()
     assert agent.misuse == []
@@ -106,16 +115,13 @@ def test_one_sink_cannot_take_every_write_slot() -> None:
     from vllm_omni_kv.backends.nixl import writer
 
     agent = _Agent()
-    w = Writer(agent, None, lambda: [tuple(SPAN)], lambda _n: None)  # type: ignore[arg-type, list-item]
+    w = _writer(agent)
     try:
         hog, other = _proven(agent, w, "hog"), _proven(agent, w, "other")
         for _ in range(writer.MAX_RUNNING_PER_SINK):
-            msg = ww.range_write_msgs("hog", [(4096, 8192, 4096)], 600.0)[0]
-            assert w(ww.with_token(msg, hog)) == {"ok": True}
-        more = ww.range_write_msgs("hog", [(4096, 8192, 4096)], 600.0)[0]
-        assert w(ww.with_token(more, hog)) == {"ok": False, "reason": "busy"}
-        theirs = ww.range_write_msgs("other", [(4096, 8192, 4096)], 600.0)[0]
-        assert w(ww.with_token(theirs, other)) == {"ok": True}
+            assert w(_write("hog", hog)) == {"ok": True}
+        assert w(_write("hog", hog)) == {"ok": False, "reason": "busy"}
+        assert w(_write("other", other)) == {"ok": True}
     finally:
         w.close()
 
@@ -124,7 +130,7 @@ def test_metadata_naming_another_agent_is_unloaded() -> None:
     """A ``nixl_sink`` whose metadata names another agent than it claims is refused, and
     the agent it loaded is unloaded (no remote agent piles up per such request)."""
     agent, unloaded = _Agent(), []
-    w = Writer(agent, None, lambda: [tuple(SPAN)], unloaded.append)  # type: ignore[arg-type, list-item]
+    w = _writer(agent, unloaded.append)
     try:
         for i in range(3):
             msg = {"op": ww.SINK_OP, "agent": "a", "md": f"stray{i}".encode(), "spans": [SPAN]}
@@ -159,10 +165,10 @@ def test_a_failed_post_whose_handle_cannot_be_released_is_still_tracked() -> Non
     """The sink's abort of a write whose post failed must find it while NIXL may still
     move its bytes, not answer "unknown" (which lets the sink reuse the memory)."""
     agent = _FailingAgent()
-    w = Writer(agent, None, lambda: [tuple(SPAN)], lambda _n: None)  # type: ignore[arg-type, list-item]
+    w = _writer(agent)
     try:
         token = _proven(agent, w, "v")
-        msg = ww.with_token(ww.range_write_msgs("v", [(4096, 8192, 4096)], 600.0)[0], token)
+        msg = _write("v", token)
         with pytest.raises(KVTransferError, match="post failed midway"):
             w(msg)
         reply = w(ww.with_token(ww.abort_msg("v", msg["nonce"]), token))

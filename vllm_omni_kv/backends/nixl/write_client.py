@@ -37,6 +37,8 @@ from vllm_omni_kv.logger import init_logger
 logger = init_logger(__name__)
 
 MAX_SENT_SETS = 256
+#: producers whose proof locks are kept (one proof at a time per producer)
+MAX_PROOF_LOCKS = 256
 #: pause between two rounds of aborts while a move is waited out
 ABORT_ROUND_S = 0.1
 #: pause before a request the producer answered ``busy`` is sent again
@@ -158,13 +160,14 @@ class WriteClient:
                 self._prove_now(endpoint, peer)
 
     def _proof_lock(self, peer: str) -> threading.Lock:
-        """``peer``'s proof lock (at most :data:`MAX_SENT_SETS` kept: idle ones go first)."""
+        """``peer``'s proof lock; past :data:`MAX_PROOF_LOCKS`, idle ones of other peers go."""
         with self._lock:
             lock = self._proving.setdefault(peer, threading.Lock())
-            if len(self._proving) > MAX_SENT_SETS:
-                for name in [n for n, lk in self._proving.items() if not lk.locked()]:
-                    if name != peer and len(self._proving) > MAX_SENT_SETS:
-                        del self._proving[name]
+            over = len(self._proving) - MAX_PROOF_LOCKS
+            if over > 0:
+                idle = [n for n, lk in self._proving.items() if n != peer and not lk.locked()]
+                for name in idle[:over]:
+                    del self._proving[name]
             return lock
 
     def _prove_now(self, endpoint: str, peer: str) -> None:

@@ -195,8 +195,10 @@ class Puller:
         while True:
             now = time.monotonic()
             wait = limit - now if cancel is None else min(CANCEL_POLL_S, limit - now)
-            if cf.wait([fut], timeout=max(0.0, wait)).done:  # never mistakes a read's own
-                if fut.cancelled():  # TimeoutError for "still running"
+            # cf.wait, not fut.result: a read that raised a TimeoutError of its own ended,
+            # and must not be taken for one still running
+            if cf.wait([fut], timeout=max(0.0, wait)).done:
+                if fut.cancelled():
                     raise KVTransferError("the connector is closed; create a new one")
                 err = fut.exception()
                 if err is None:
