@@ -159,6 +159,12 @@ def test_one_copy_bench_quick_run_writes_json_and_plot(tmp_path: Path) -> None:
             assert r["bytes"] == memcpy["bytes"]
             assert 0 < r["fraction_of_memcpy"] < 3 and r["seconds"] < 1.0, r
             assert len(r["fraction_samples"]) >= 1
+        # the same memcpy with the caches evicted first, the moves against it, the target
+        assert mine["memcpy, caches evicted first"]["bytes"] == memcpy["bytes"]
+        assert all(0 < r["fraction_of_cold_memcpy"] < 3 for r in moves if "one-copy" in r["path"])
+        default = mine["one-copy move (share_cache), no verify"]
+        assert default["target"] == 0.5
+        assert default["meets_target"] == (default["fraction_of_memcpy"] >= 0.5)
         verify = mine["one-copy move (share_cache), verify"]
         assert verify["phases_s"]["SharedPagesPlan.apply"] <= verify["seconds"]
         # adding the producer's time (hold, digests, put) can only lower the ratio

@@ -285,8 +285,41 @@ def test_a_producer_that_never_challenges_does_not_hold_up_proofs_to_others() ->
         assert t.is_alive(), "the silent producer's proof ended before the other move"
         t.join(30)
         assert failed and "no challenge" in str(failed[0])
+        assert not writes._proving  # a proof lock lives only while a proof is under way
     finally:
         t.join(30)
         receiver.close()
         sender.close()
+        silent.close()
+
+
+def test_proofs_to_one_producer_take_turns_and_leave_no_lock_behind() -> None:
+    """Two proofs to the same producer run one after the other (each waits its own
+    side-channel timeout for the challenge); proofs to others run meanwhile; once they
+    end, nothing is kept per producer."""
+    from vllm_omni_kv.backends.pull.side_channel import SideChannelServer
+
+    silent = SideChannelServer("127.0.0.1", 0, lambda m: {"ok": True, "challenged": True})
+    receiver = _conn("receiver", nixl_direction="write", side_channel_timeout_s=0.5)
+    writes = receiver.engine._writes  # type: ignore[attr-defined]
+    ended: dict[str, float] = {}
+
+    def prove(peer: str, tag: str) -> None:
+        with pytest.raises(KVTransferError, match="no challenge"):
+            writes._prove(silent.endpoint, peer, True)
+        ended[tag] = time.monotonic()
+
+    jobs = [("same", "a"), ("same", "b")] + [(f"other{i}", f"o{i}") for i in range(8)]
+    threads = [threading.Thread(target=prove, args=job) for job in jobs]
+    try:
+        t0 = time.monotonic()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert len(ended) == len(jobs)
+        assert max(ended["a"], ended["b"]) - t0 >= 2 * 0.5  # one after the other
+        assert not writes._proving
+    finally:
+        receiver.close()
         silent.close()

@@ -18,11 +18,13 @@ is gone). A paused producer is never judged gone.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_omni_kv.backends.nixl import write_wire as ww
@@ -37,12 +39,18 @@ from vllm_omni_kv.logger import init_logger
 logger = init_logger(__name__)
 
 MAX_SENT_SETS = 256
-#: producers whose proof locks are kept (one proof at a time per producer)
-MAX_PROOF_LOCKS = 256
 #: pause between two rounds of aborts while a move is waited out
 ABORT_ROUND_S = 0.1
 #: pause before a request the producer answered ``busy`` is sent again
 BUSY_RETRY_S = 0.002
+
+
+@dataclass
+class _Turn:
+    """One producer's proof lock and the threads holding or waiting for it."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    users: int = 0
 
 
 class Notices:
@@ -123,7 +131,7 @@ class WriteClient:
         self._lock = threading.Lock()
         #: one proof at a time per producer agent (each waits for that agent's challenge);
         #: proofs to other producers go on meanwhile
-        self._proving: dict[str, threading.Lock] = {}
+        self._proving: dict[str, _Turn] = {}
         self._proven: dict[str, bytes] = {}  # endpoint -> our sink token there (its challenge)
         self._sets: OrderedDict[tuple[str, bytes], None] = OrderedDict()
 
@@ -155,20 +163,25 @@ class WriteClient:
     def _prove(self, endpoint: str, peer: str, again: bool) -> None:
         if not again and endpoint in self._proven:
             return
-        with self._proof_lock(peer):
+        with self._proof_turn(peer):
             if again or endpoint not in self._proven:
                 self._prove_now(endpoint, peer)
 
-    def _proof_lock(self, peer: str) -> threading.Lock:
-        """``peer``'s proof lock; past :data:`MAX_PROOF_LOCKS`, idle ones of other peers go."""
+    @contextlib.contextmanager
+    def _proof_turn(self, peer: str) -> Iterator[None]:
+        """Hold ``peer``'s proof lock. A lock lives while a thread holds or waits for it
+        (counted), so the map holds only producers being proven to right now."""
         with self._lock:
-            lock = self._proving.setdefault(peer, threading.Lock())
-            over = len(self._proving) - MAX_PROOF_LOCKS
-            if over > 0:
-                idle = [n for n, lk in self._proving.items() if n != peer and not lk.locked()]
-                for name in idle[:over]:
-                    del self._proving[name]
-            return lock
+            entry = self._proving.setdefault(peer, _Turn())
+            entry.users += 1
+        try:
+            with entry.lock:
+                yield
+        finally:
+            with self._lock:
+                entry.users -= 1
+                if not entry.users:
+                    del self._proving[peer]
 
     def _prove_now(self, endpoint: str, peer: str) -> None:
         self.notices.expect_challenge(peer)
