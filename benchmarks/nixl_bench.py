@@ -23,6 +23,7 @@ gives the machine's copy speed. Rows report medians after one warm-up.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -108,11 +109,12 @@ class RawReader:
         remote = self.agent.get_xfer_descs([(src, n, self.dev)], self.mem)
         h = self.agent.initialize_xfer("READ", local, remote, agent_name)
         state = self.agent.transfer(h)
-        while state == "PROC":
+        while state == "PROC" and time.perf_counter() - t0 < RAW_TIMEOUT_S:
             state = self.agent.check_xfer_state(h)
         dt = time.perf_counter() - t0
         if state != "DONE":
-            raise RuntimeError(f"raw NIXL read failed: {state}")
+            h.release()  # aborts one still running
+            raise RuntimeError(f"raw NIXL read failed: {state} after {dt:.1f}s")
         h.release()
         return dt
 
@@ -133,6 +135,17 @@ def _memcpy_s(nbytes: int, device: str = "cpu") -> float:
 
 #: issue 32: a pool move of 16 MiB and more at >= 80% of NIXL's own transfer of the bytes
 TARGET = (16, 0.80)
+#: the longest a raw read or a reply of the sender process may take (seconds)
+RAW_TIMEOUT_S = 30.0
+
+
+def _recv(conn: Any, proc: Any) -> Any:
+    """The sender process's next reply; RuntimeError when it dies or takes too long."""
+    deadline = time.monotonic() + RAW_TIMEOUT_S
+    while not conn.poll(0.5):
+        if not proc.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the sender process died or stopped answering (see its log)")
+    return conn.recv()
 
 
 def run(
@@ -146,8 +159,9 @@ def run(
     proc.start()
     child.close()
     rows: list[dict[str, Any]] = []
+    error = None
     try:
-        info = parent.recv()
+        info = _recv(parent, proc)
         endpoint = f"tcp://{info['host']}:{info['port']}"
         receiver = NixlPullConnector(_config("receiver", pool, device, direction))
         raw = RawReader(pool, device)
@@ -157,7 +171,7 @@ def run(
                 frame = 0
                 for rep in range(repeats + 1):
                     parent.send(("put", f"b{nbytes}-{rep}", nbytes))
-                    meta, put_s, frame, ok = parent.recv()
+                    meta, put_s, frame, ok = _recv(parent, proc)
                     assert ok
                     agent_name = str(meta["session"]).rpartition("@")[0]
                     raw_s = raw.read(endpoint, agent_name, int(meta["src_addr"]), frame)
@@ -200,8 +214,11 @@ def run(
         finally:
             raw.close()
             receiver.close()
+    except Exception as e:  # the rows measured so far are kept, with what stopped the run
+        error = f"{type(e).__name__}: {e}"
     finally:
-        parent.send(("exit",))
+        with contextlib.suppress(OSError):  # a dead sender's pipe is closed
+            parent.send(("exit",))
         proc.join(30)
         if proc.is_alive():
             proc.kill()
@@ -220,6 +237,7 @@ def run(
         # who posts the pull: the receiver READs, or the sender WRITEs (auto: WRITE for VRAM)
         "nixl_direction": direction,
         "rows": rows,
+        "error": error,
     }
 
 
@@ -273,8 +291,10 @@ def main() -> None:
     a.out.mkdir(parents=True, exist_ok=True)
     name = a.name or ("nixl_bench_quick" if a.quick else "nixl_bench")
     (a.out / f"{name}.json").write_text(json.dumps(result, indent=2))
-    drawn = plot(result, a.out / f"{name}.png")
-    print(f"wrote {a.out / name}.json" + (" and .png" if drawn else " (no matplotlib: no plot)"))
+    drawn = plot(result, a.out / f"{name}.png") if result["rows"] else False
+    print(f"wrote {a.out / name}.json" + (" and .png" if drawn else " (no plot)"))
+    if result["error"]:
+        sys.exit(f"nixl_bench stopped: {result['error']}")
 
 
 if __name__ == "__main__":

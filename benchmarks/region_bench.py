@@ -32,6 +32,7 @@ import multiprocessing as mp
 import os
 import platform
 import statistics
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -325,7 +326,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", type=Path, default=RESULTS / "region_bench.json")
     a = ap.parse_args(argv)
-    rows = [measure(a.backend, a.device, mib, a.repeats) for mib in a.sizes]
+    rows: list[dict[str, Any]] = []
+    error = None
+    for mib in a.sizes:  # the sizes measured before a failure are kept, with the failure
+        try:
+            rows.append(measure(a.backend, a.device, mib, a.repeats))
+        except Exception as e:
+            error = f"{mib} MiB: {type(e).__name__}: {e}"
+            break
     if a.out.exists():  # one file, a row set per backend and device
         try:
             old = json.loads(a.out.read_text()).get("rows", [])
@@ -357,8 +365,11 @@ def main(argv: list[str] | None = None) -> None:
         "cpus": os.cpu_count(),
     }
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps({"machine": machine, "rows": rows}, indent=2) + "\n")
+    result = {"machine": machine, "rows": rows, "error": error}
+    a.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {a.out}")
+    if error:
+        sys.exit(f"region_bench stopped ({a.backend}, {a.device}): {error}")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@
 # (gpu_check.log, gpu_check.json, gpu_tests.xml, gpu_nixl_tests.xml, gpu_probe.json, the
 # benchmarks' JSON) and exits 1 when a step failed or was skipped. It stops at once on a
 # machine with no CUDA device. Environment: GPU_PY, GPU_PY_VERSION, GPU_WHEELS, GPU_SITE,
-# GPU_TESTS, GPU_CHECK_SECONDS.
+# GPU_TESTS, GPU_CHECK_SECONDS, GPU_STEPS (an extended regex of step names: only those run,
+# the others are recorded as deselected; e.g. GPU_STEPS='nixl.*' to rerun NIXL's steps).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT=$PWD
@@ -84,6 +85,12 @@ skip() {
 step() {
   local name=$1 limit=$2 t0 rc left
   shift 2
+  if [ -n "${GPU_STEPS:-}" ] && ! [[ $name =~ ^($GPU_STEPS)$ ]]; then
+    echo "=== gpu-check: $name not selected (GPU_STEPS)"
+    STEPS+=("$name deselected 0")
+    LAST_RC=0
+    return
+  fi
   left=$((DEADLINE - $(date +%s) - 15))
   [ "$left" -ge 10 ] || { skip "$name" "out of time (GPU_CHECK_SECONDS)"; return; }
   [ "$limit" -le "$left" ] || limit=$left
@@ -103,8 +110,8 @@ summary() {
 import json, sys, torch
 out, rows = sys.argv[1], [r.split() for r in sys.argv[2:]]
 steps = [
-    {"step": n, "exit": None if rc == "skipped" else int(rc), "seconds": int(ms) / 1000}
-    | ({"skipped": True} if rc == "skipped" else {})
+    {"step": n, "exit": int(rc) if rc.isdigit() else None, "seconds": int(ms) / 1000}
+    | ({} if rc.isdigit() else {rc: True})
     for n, rc, ms in rows
 ]
 info = {
@@ -114,7 +121,7 @@ info = {
     "cuda": torch.version.cuda,
     "python": sys.version.split()[0],
     "steps": steps,
-    "ok": all(s["exit"] == 0 for s in steps),
+    "ok": all(s["exit"] == 0 for s in steps if not s.get("deselected")),
 }
 with open(f"{out}/gpu_check.json", "w") as f:
     json.dump(info, f, indent=2)
@@ -140,13 +147,14 @@ run() {
   files=$( (printf '%s\n' $TESTS; grep -rlE 'pytest\.mark\.gpu' tests --include='*.py') | sort -u)
   # shellcheck disable=SC2086
   # (NIXL's tests run in their own step, below)
-  step tests 240 env OMNIKV_TEST_DEVICE=cuda "$PY" -m pytest -q -p no:cacheprovider \
+  # -v: each test's name is written before it runs, so a step cut at its limit shows where
+  step tests 200 env OMNIKV_TEST_DEVICE=cuda "$PY" -m pytest -v -p no:cacheprovider \
     --timeout 120 --junitxml "$out/gpu_tests.xml" $files \
     -k "layout or emulat or accelerator or cuda or gpu" -m "not nixl"
-  step probe 150 "$PY" scripts/gpu_probe.py --out "$out/gpu_probe.json"
+  nixl_steps "$out"
   step gpu_copy_bench 60 "$PY" benchmarks/gpu_copy_bench.py --out "$out/gpu_copy_bench.json"
   step region_bench 60 "$PY" benchmarks/region_bench.py --out "$out/region_bench.json"
-  nixl_steps "$out"
+  step probe 120 "$PY" scripts/gpu_probe.py --out "$out/gpu_probe.json"
   summary "$out"
   exit "$FAILED"
 }
@@ -165,7 +173,7 @@ nixl_steps() {
     for n in $names; do skip "$n" "NIXL does not import (step nixl_import)"; done
     return
   fi
-  step nixl_tests 150 env OMNIKV_TEST_DEVICE=cuda "$PY" -m pytest -q -p no:cacheprovider \
+  step nixl_tests 150 env OMNIKV_TEST_DEVICE=cuda "$PY" -m pytest -v -p no:cacheprovider \
     --timeout 60 --junitxml "$out/gpu_nixl_tests.xml" -m nixl -k "cuda or page_reads" \
     tests/backends/nixl/test_nixl_cuda.py tests/backends/test_conformance.py \
     tests/backends/pull/test_page_reads.py

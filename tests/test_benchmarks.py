@@ -199,6 +199,23 @@ def test_region_bench_moves_pages_against_its_limit(tmp_path: Path, backend: str
     assert row["backend"] == backend and row["bytes"] == pages * 8 * 8 * 16 * 256 * 2
     assert row["move_ms"] > 0 and row["baseline_ms"] > 0 and row["vs_baseline"] > 0
     assert row["target"] is None and row["meets_target"] is None  # issue 30: cuda_ipc only
+    assert json.loads(out.read_text())["error"] is None
+
+
+def test_a_failed_region_bench_writes_its_json_with_the_failure(tmp_path: Path) -> None:
+    """A move that fails (here ``cuda_ipc`` without CUDA) ends the run with exit 1 and a
+    JSON that names the failure (rows measured before it are kept)."""
+    out = tmp_path / "region_bench.json"
+    cmd = [sys.executable, str(REPO / "benchmarks" / "region_bench.py"), "--device", "cpu"]
+    proc = subprocess.run(
+        [*cmd, "--backend", "cuda_ipc", "--sizes", "2", "--repeats", "1", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["rows"] == [] and "needs a CUDA device" in result["error"], result
 
 
 def test_region_bench_targets_are_issue_30s() -> None:

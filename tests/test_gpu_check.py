@@ -237,3 +237,17 @@ def test_every_step_runs_within_the_deadline_and_the_nixl_steps_are_recorded() -
         "region_bench_nixl skipped", "region_bench_nixl_tls skipped",
         "region_bench_nixl_write skipped", "failed=1",
     ]  # fmt: skip
+
+
+def test_gpu_steps_selects_the_steps_that_run() -> None:
+    """``GPU_STEPS`` (a regex of step names) runs only those; the others are recorded as
+    deselected, which fails nothing."""
+    script = (
+        "source scripts/gpu_check.sh; DEADLINE=$(($(date +%s) + 40)); GPU_STEPS='nixl.*|b'; "
+        "step a 5 false; step b 5 true; step nixl_bench 5 true; step ab 5 false; "
+        'printf "%s\\n" "${STEPS[@]}"; echo "failed=$FAILED"'
+    )
+    r = _run("bash", "-c", script, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = [line.rsplit(" ", 1)[0] for line in r.stdout.splitlines() if not line.startswith("=")]
+    assert rows == ["a deselected", "b 0", "nixl_bench 0", "ab deselected", "failed=0"]

@@ -308,6 +308,10 @@ def test_a_cache_registered_after_the_handshake_is_pulled_after_reloading() -> N
         assert len(nixl.handshake(sender.engine.session).spans) == 2  # pool + cache
         with pytest.raises(KVTransferError, match="not in the sender's registered memory"):
             nixl.read_many(sender.engine.session, [(receiver.base_ptr, 4096, 64)])
+        # nor into memory of ours that is not registered (NIXL_ERR_NOT_FOUND on the H200)
+        unregistered = torch.zeros(64, dtype=torch.uint8)
+        with pytest.raises(KVTransferError, match="not in this agent's registered memory"):
+            nixl.read_many(sender.engine.session, [(unregistered.data_ptr(), sender.base_ptr, 64)])
     finally:
         receiver.close()
         sender.close()

@@ -21,7 +21,7 @@ def test_nixl_bench_quick_writes_json_and_plot(tmp_path: Path) -> None:
     r = subprocess.run([*cmd, "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads((tmp_path / "nixl_bench_quick.json").read_text())
-    assert [row["mib"] for row in result["rows"]] == [1, 4]
+    assert [row["mib"] for row in result["rows"]] == [1, 4] and result["error"] is None
     for row in result["rows"]:
         # a frame is the payload plus its prelude, header and digests
         assert row["frame_bytes"] > row["mib"] << 20

@@ -84,6 +84,44 @@ def test_a_client_with_copied_metadata_cannot_aim_writes_at_its_owner() -> None:
         sender.close()
 
 
+def test_metadata_forged_under_a_proven_sinks_name_is_refused() -> None:
+    """A client runs its own NIXL agent under a proven sink's name and sends that agent's
+    metadata as the sink's: without the sink's token it is refused and not loaded, so the
+    sink's writes still reach the sink (exact bytes)."""
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    sender, receiver = _conn("sender"), _conn("receiver", nixl_direction="write")
+    client = SideChannelClient(5.0)
+    impostor = None
+    try:
+        assert pull_round_trip(sender, receiver) is None  # the receiver is a proven sink
+        r = receiver.engine  # type: ignore[attr-defined]
+        impostor = nixl_agent(r.name, nixl_agent_config(backends=["UCX"]))
+        forged = ww.sink_msg(r.name, impostor.get_agent_metadata(), r._spans(), [])
+        reply = client.request(_endpoint(sender), forged)
+        assert not reply["ok"] and "token" in reply["error"], reply
+        assert pull_round_trip(sender, receiver) is None
+    finally:
+        client.close()
+        receiver.close()
+        sender.close()
+        del impostor
+
+
+def test_a_sink_whose_registrations_changed_proves_itself_again_with_its_token() -> None:
+    """The consumer registers more memory (new metadata): its next move proves it again,
+    the producer replaces its metadata for the sink's token, and the bytes are exact."""
+    sender, receiver = _conn("sender"), _conn("receiver", nixl_direction="write")
+    extra = np.zeros(1 << 20, dtype=np.uint8)
+    try:
+        assert pull_round_trip(sender, receiver) is None
+        receiver.engine.register(extra.ctypes.data, extra.nbytes)  # type: ignore[attr-defined]
+        assert pull_round_trip(sender, receiver) is None
+    finally:
+        receiver.close()
+        sender.close()
+
+
 def _as_sink(receiver: NixlPullConnector, sender: NixlPullConnector, msg: dict[str, Any]) -> Any:
     """``msg`` signed as the proven sink ``receiver`` signs it for ``sender`` (its token)."""
     return receiver.engine._writes._signed(_endpoint(sender), msg)  # type: ignore[attr-defined]

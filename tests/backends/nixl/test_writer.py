@@ -8,12 +8,14 @@ corruption of the producer), which a real agent cannot be made to show on demand
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
 import pytest
 
 from vllm_omni_kv.backends.nixl import write_wire as ww
+from vllm_omni_kv.backends.nixl.prepared_lists import PreparedLists
 from vllm_omni_kv.backends.nixl.writer import Writer
 from vllm_omni_kv.errors import KVTransferError
 
@@ -36,16 +38,19 @@ class _Agent:
         self.handles: list[_Handle] = []
         self.misuse: list[str] = []
         self.challenges: dict[str, bytes] = {}
+        self.digests: dict[str, bytes] = {}
 
     def add_remote_agent(self, md: bytes) -> bytes:
-        return md  # the "metadata" is the agent's name
+        return md.split(b"|")[0]  # the "metadata" is the agent's name (| a variant)
 
     def remove_remote_agent(self, name: str) -> None:
         pass
 
     def send_notif(self, name: str, msg: bytes) -> None:
-        if msg[:1] == b"C":
-            self.challenges[name] = msg[1:]
+        challenge = ww.parse_challenge(msg)
+        if challenge is not None:
+            self.challenges[name] = challenge[0]
+            self.digests[name] = challenge[1]
 
     def get_xfer_descs(self, descs: Any, mem: str) -> Any:
         return descs
@@ -66,7 +71,7 @@ class _Agent:
 
 def _writer(agent: _Agent, unload: Any = lambda _n: None) -> Writer:
     """A writer over ``agent`` whose own memory is :data:`SPAN`."""
-    return Writer(agent, None, lambda: [tuple(SPAN)], unload)  # type: ignore[arg-type, list-item]
+    return Writer(agent, PreparedLists(), lambda: [tuple(SPAN)], unload)  # type: ignore[list-item]
 
 
 def _write(name: str, token: bytes) -> dict[str, Any]:
@@ -176,3 +181,45 @@ def test_a_failed_post_whose_handle_cannot_be_released_is_still_tracked() -> Non
     finally:
         w.close()
     assert agent.handles[0].releases >= 2
+
+
+def _ask(w: Writer, name: str, md: bytes, tokens: tuple[bytes, ...] = ()) -> dict[str, Any]:
+    return w(ww.sink_msg(name, md, [tuple(SPAN)], list(tokens)))  # type: ignore[list-item]
+
+
+def test_a_proof_counts_only_while_its_metadata_is_the_one_loaded() -> None:
+    """Two requests name one agent (not yet a sink) with different metadata: the first
+    challenge's proof is refused once the second metadata replaced the first, so the
+    agent proven is the one NIXL reaches."""
+    agent = _Agent()
+    w = _writer(agent)
+    try:
+        assert _ask(w, "v", b"v|mine")["ok"]
+        first = agent.challenges["v"]
+        assert _ask(w, "v", b"v|other")["ok"]
+        refused = w(ww.proof_msg("v", first))
+        assert not refused["ok"] and "changed" in refused["error"]
+        assert w(ww.proof_msg("v", agent.challenges["v"])) == {"ok": True}
+    finally:
+        w.close()
+
+
+def test_a_sinks_metadata_is_replaced_only_with_a_token_it_may_hold() -> None:
+    """A proven sink's new metadata needs its token, or the challenge it answered last
+    (whose proof may have landed without the answer reaching it); the challenge names
+    the request it answers."""
+    agent = _Agent()
+    w = _writer(agent)
+    try:
+        token = _proven(agent, w, "v")
+        assert agent.digests["v"] == ww.sink_digest(b"v", [tuple(SPAN)])  # type: ignore[list-item]
+        refused = _ask(w, "v", b"v|new", (os.urandom(16),))
+        assert not refused["ok"] and "token" in refused["error"]
+        assert _ask(w, "v", b"v")["ok"]  # the same metadata: no token needed
+        answered = agent.challenges["v"]
+        assert w(ww.proof_msg("v", answered)) == {"ok": True}
+        assert w(_write("v", token)) == {"ok": False, "reason": "need_sink"}  # replaced
+        assert _ask(w, "v", b"v|new", (token, answered))["ok"]
+        assert w(ww.proof_msg("v", agent.challenges["v"])) == {"ok": True}
+    finally:
+        w.close()

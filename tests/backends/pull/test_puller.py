@@ -84,3 +84,43 @@ def test_a_stalled_read_is_abandoned_and_its_destination_kept_until_it_ends(
     assert [f.done() for f in track] == [False]
     engine.go.set()
     assert freed.wait(10), "the destination was not freed once the read ended"
+
+
+class _HostOnlyEngine:
+    """An engine adapter with no ``register_device`` (host memory only)."""
+
+    session = "127.0.0.1:1"
+
+    def __init__(self) -> None:
+        self.registered: list[tuple[int, int]] = []
+
+    def register(self, addr: int, size: int) -> None:
+        self.registered.append((addr, size))
+
+
+def test_device_memory_is_registered_only_with_an_engine_that_moves_it() -> None:
+    """A pool or cache in GPU memory is refused at registration by an engine that cannot
+    move device memory (a host-only adapter; Mooncake's non-CUDA build, which would take
+    the address for host memory), not at its first read."""
+    import torch
+
+    from vllm_omni_kv.backends.pull.puller import register_memory
+    from vllm_omni_kv.errors import KVTransferError
+
+    host = _HostOnlyEngine()
+    register_memory(host, "host-only", 4096, 8192, torch.device("cpu"))  # type: ignore[arg-type]
+    assert host.registered == [(4096, 8192)]
+    with pytest.raises(KVTransferError, match="cannot move cuda:0 memory"):
+        register_memory(host, "host-only", 4096, 8192, torch.device("cuda", 0))  # type: ignore[arg-type]
+    assert host.registered == [(4096, 8192)]
+    pytest.importorskip("mooncake.engine")
+    from vllm_omni_kv.backends.pull.mooncake import MooncakeEngine, cuda_build
+
+    if cuda_build():
+        pytest.skip("the CUDA build of Mooncake moves device memory")
+    engine = MooncakeEngine("127.0.0.1", protocol="tcp")
+    try:
+        with pytest.raises(KVTransferError, match="CUDA build"):
+            register_memory(engine, "mooncake_te", 4096, 8192, torch.device("cuda", 0))
+    finally:
+        engine.close()

@@ -288,13 +288,16 @@ class NixlEngine:
             spans = self._spans()
             groups: dict[tuple[str, str], list[tuple[int, int, int, int, int]]] = {}
             for (local, remote, n), kind in zip(reads, kinds, strict=True):
-                if kind is None:
+                mine = kind_of(spans, local, n)
+                if kind is None or mine is None:
                     raise KVTransferError(
-                        f"NIXL cannot read {n} bytes at {remote:#x} from {peer.name}: the range "
-                        "is not in the sender's registered memory"
+                        f"NIXL cannot read {n} bytes at {remote:#x} from {peer.name} into "
+                        f"{local:#x}: the range is not in {'this agent' if kind else 'the sender'}'s "
+                        "registered memory"
                     )
-                lmem, ldev = kind_of(spans, local, n) or (self.mem_type, self.device_id)
-                groups.setdefault((lmem, kind[0]), []).append((local, remote, n, ldev, kind[1]))
+                groups.setdefault((mine[0], kind[0]), []).append(
+                    (local, remote, n, mine[1], kind[1])
+                )
             for (lmem, rmem), group in groups.items():
                 if self._writes_to(rmem, peer):
                     self._written(session, peer, [(a, r, n) for a, r, n, _ld, _rd in group])
@@ -399,11 +402,8 @@ class NixlEngine:
         handle.release()
 
     def _wait(self, agent: Any, handle: Any, state: str, deadline: float, peer: str) -> str:
-        """Poll until the transfer leaves ``PROC``; abort it past ``deadline``.
-
-        A transfer that cannot be aborted is waited out: its destination must stay
-        valid until it ends (the caller has already been told of the timeout).
-        """
+        """Poll until the transfer leaves ``PROC``; abort it past ``deadline``. One that
+        cannot be aborted is waited out: its destination must stay valid until it ends."""
         backoff = Backoff()
         while state == "PROC":
             if time.monotonic() >= deadline:

@@ -5,16 +5,31 @@ from __future__ import annotations
 
 import socket
 
+import torch
+
 from vllm_omni_kv.backends.pull.page_reads import PageTable
+from vllm_omni_kv.kvcache.device_order import bind_device
+from vllm_omni_kv.kvcache.device_staging import canonical_device
 
 #: a registered range: ``(address, bytes, memory type, device id)``
 Span = tuple[int, int, str, int]
+#: NIXL's memory type and device id of a range
+Kind = tuple[str, int]
 
 
 def memory_of(device: str) -> tuple[str, int]:
-    """NIXL's ``(memory type, device id)`` of a torch device string (``cpu``, ``cuda:N``)."""
-    dev = device.split(":")
-    return ("VRAM" if dev[0] == "cuda" else "DRAM"), (int(dev[1]) if len(dev) > 1 and dev[1] else 0)
+    """NIXL's ``(memory type, device id)`` of a torch device string (``cpu``, ``cuda:N``;
+    ``cuda`` is the current device, as for torch)."""
+    d = canonical_device(device)
+    return ("VRAM", d.index or 0) if d.type == "cuda" else ("DRAM", 0)
+
+
+def use_device(kind: Kind) -> None:
+    """Make ``kind``'s CUDA device the calling thread's (``VRAM``; nothing for ``DRAM``), as
+    the pull threads do before their reads: the side-channel thread that posts a WRITE and
+    the thread that polls it are not vLLM's, and start on device 0."""
+    if kind[0] == "VRAM":
+        bind_device(torch.device("cuda", kind[1]))
 
 
 def kind_of(spans: list[Span], addr: int, n: int) -> tuple[str, int] | None:

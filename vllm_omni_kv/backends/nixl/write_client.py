@@ -61,15 +61,18 @@ class Notices:
         self._lock = threading.Lock()
         self._waiting: dict[bytes, str] = {}  # nonce -> the producer agent it must come from
         self._ended: dict[bytes, bytes] = {}  # nonce -> b"D" | b"E"
-        self._challenges: dict[str, bytes] = {}  # producer agent -> challenge
+        #: producer agent -> (digest of our request, its challenge once it came)
+        self._challenges: dict[str, tuple[bytes, bytes]] = {}
 
     def expect(self, nonce: bytes, sender: str) -> None:
         with self._lock:
             self._waiting[nonce] = sender
 
-    def expect_challenge(self, sender: str) -> None:
+    def expect_challenge(self, sender: str, digest: bytes) -> None:
+        """Wait for ``sender``'s challenge to our request of ``digest`` (others are not
+        ours: a client that copied our metadata may have asked too)."""
         with self._lock:
-            self._challenges[sender] = b""
+            self._challenges[sender] = (digest, b"")
 
     def forget(self, nonces: list[bytes]) -> None:
         with self._lock:
@@ -86,9 +89,10 @@ class Notices:
         self._drain()
         with self._lock:
             got = self._challenges.get(sender)
-            if got:
-                del self._challenges[sender]
-            return got or None
+            if got is None or not got[1]:
+                return None
+            del self._challenges[sender]
+            return got[1]
 
     def _drain(self) -> None:
         with self._lock:
@@ -104,12 +108,13 @@ class Notices:
 
     def _take(self, sender: str, m: bytes) -> None:
         kind, key = m[:1], m[1:]
-        if len(key) != ww.NONCE_BYTES:
-            return
         if kind in (b"D", b"E") and self._waiting.get(key) == sender:
             self._ended[key] = kind
-        elif kind == b"C" and sender in self._challenges:
-            self._challenges[sender] = key
+            return
+        challenge = ww.parse_challenge(m)
+        want = self._challenges.get(sender)
+        if challenge is not None and want is not None and challenge[1] == want[0]:
+            self._challenges[sender] = (want[0], challenge[0])
 
 
 class WriteClient:
@@ -133,6 +138,10 @@ class WriteClient:
         #: proofs to other producers go on meanwhile
         self._proving: dict[str, _Turn] = {}
         self._proven: dict[str, bytes] = {}  # endpoint -> our sink token there (its challenge)
+        #: endpoint -> (our last proven token there, a challenge answered since): kept when
+        #: ``_proven`` is forgotten, as a producer changes a sink's metadata only for a
+        #: request carrying its token
+        self._tokens: OrderedDict[str, tuple[bytes | None, bytes | None]] = OrderedDict()
         self._sets: OrderedDict[tuple[str, bytes], None] = OrderedDict()
 
     def write_pages(self, endpoint: str, peer: str, reads: PageReads, timeout_s: float) -> None:
@@ -184,10 +193,11 @@ class WriteClient:
                     del self._proving[peer]
 
     def _prove_now(self, endpoint: str, peer: str) -> None:
-        self.notices.expect_challenge(peer)
-        self._ask(
-            endpoint, ww.sink_msg(self._name, self._agent.get_agent_metadata(), self._spans())
-        )
+        md, spans = self._agent.get_agent_metadata(), self._spans()
+        self.notices.expect_challenge(peer, ww.sink_digest(md, spans))
+        with self._lock:
+            tokens = [t for t in self._tokens.get(endpoint, ()) if t is not None]
+        self._ask(endpoint, ww.sink_msg(self._name, md, spans, tokens))
         got: list[bytes] = []
 
         def challenged() -> bool:
@@ -202,9 +212,20 @@ class WriteClient:
                 f"{self._sc_timeout:.1f}s: it cannot reach this agent (check UCX between "
                 "the hosts) or is not a nixl backend"
             )
+        self._keep_token(endpoint, got[0], proven=False)  # its proof may land unanswered
         self._ask(endpoint, ww.proof_msg(self._name, got[0]))
+        self._keep_token(endpoint, got[0], proven=True)
+
+    def _keep_token(self, endpoint: str, token: bytes, proven: bool) -> None:
+        """Note ``token`` at ``endpoint``: our sink token there once ``proven``; before,
+        a challenge whose proof may have landed unanswered (sent with the last proven)."""
         with self._lock:
-            self._proven[endpoint] = got[0]
+            last, _answered = self._tokens.pop(endpoint, (None, None))
+            self._tokens[endpoint] = (token, None) if proven else (last, token)
+            while len(self._tokens) > MAX_SENT_SETS:
+                self._tokens.popitem(last=False)
+            if proven:
+                self._proven[endpoint] = token
 
     def _signed(self, endpoint: str, msg: dict[str, Any]) -> dict[str, Any]:
         """``msg`` with this agent's sink token at ``endpoint`` (none yet: one the producer

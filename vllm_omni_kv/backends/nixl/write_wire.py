@@ -5,11 +5,14 @@ In the WRITE direction a consumer does not READ a producer's memory: it asks the
 to WRITE into its own registered memory (UCX serves a WRITE of GPU memory by ``cuda_ipc``
 or RDMA where a READ of it may fall back to TCP). Four ops:
 
-- ``nixl_sink`` ``{agent, md, spans}``: the consumer's NIXL metadata and registered ranges.
-  The producer loads them and sends the agent they name a NIXL notification ``C`` +
-  challenge; the consumer proves it is that agent with ``nixl_sink`` ``{agent, proof}``
-  (the challenge), and only then may writes go to it. So metadata a client copied from
-  another agent (a dual connector serves its own) never lets it aim writes at that agent;
+- ``nixl_sink`` ``{agent, md, spans, tokens}``: the consumer's NIXL metadata and registered
+  ranges. The producer loads the metadata and sends the agent it names a NIXL notification
+  ``C`` + challenge + :func:`sink_digest` of the request (so that agent answers only its own
+  requests); the consumer proves it is that agent with ``nixl_sink`` ``{agent, proof}`` (the
+  challenge), and only then may writes go to it. So metadata a client copied from another
+  agent (a dual connector serves its own) never lets it aim writes at that agent. A proven
+  sink's metadata is replaced only by a request carrying its token in ``tokens`` (at most
+  :data:`MAX_TOKENS`: the consumer's last proven one and the last challenge it answered);
 - ``nixl_tables`` ``{agent, token, id, src, dst}``: a pair of page-table sets (producer's
   source, consumer's destination; rows ``(base, stride, page bytes, count)``) under an id;
 - ``nixl_write`` ``{agent, token, nonce, ttl_s, tables, groups}`` (pages by index, groups of
@@ -61,6 +64,8 @@ MAX_TABLES = 256
 MAX_SPANS = 64
 MAX_MD = 8 << 10
 MAX_NAME = 128
+#: tokens a ``nixl_sink`` may carry (its sender's last proven one and its last challenge)
+MAX_TOKENS = 2
 #: page indices into a table set's prepared list are int32 (NIXL's index lists)
 MAX_INDEX = 2**31 - 1
 #: the longest a producer lets one write run (seconds)
@@ -99,8 +104,35 @@ def _rows(tables: tuple[PageTable, ...]) -> bytes:
     return np.asarray(rows, dtype="<u8").reshape(-1, 4).tobytes()
 
 
-def sink_msg(agent: str, md: bytes, spans: list[Span]) -> dict[str, Any]:
-    return {"op": SINK_OP, "agent": agent, "md": md, "spans": [list(s) for s in spans]}
+def sink_msg(agent: str, md: bytes, spans: list[Span], tokens: list[bytes]) -> dict[str, Any]:
+    """A ``nixl_sink`` request; ``tokens``: this agent's tokens at the producer (if any)."""
+    return {
+        "op": SINK_OP,
+        "agent": agent,
+        "md": md,
+        "spans": [list(s) for s in spans],
+        "tokens": tokens[-MAX_TOKENS:],
+    }
+
+
+def sink_digest(md: bytes, spans: list[Span]) -> bytes:
+    """What a challenge answers: a digest of the ``nixl_sink`` request's metadata and spans."""
+    h = hashlib.blake2b(md, digest_size=16)
+    for addr, size, kind, dev in spans:
+        h.update(f"|{addr},{size},{kind},{dev}".encode())
+    return h.digest()
+
+
+def challenge_notif(challenge: bytes, digest: bytes) -> bytes:
+    """The notification a producer sends the agent a ``nixl_sink`` names."""
+    return b"C" + challenge + digest
+
+
+def parse_challenge(m: bytes) -> tuple[bytes, bytes] | None:
+    """``(challenge, sink digest)`` of a challenge notification; None for anything else."""
+    if len(m) != 1 + 2 * NONCE_BYTES or m[:1] != b"C":
+        return None
+    return m[1 : 1 + NONCE_BYTES], m[1 + NONCE_BYTES :]
 
 
 def proof_msg(agent: str, challenge: bytes) -> dict[str, Any]:
@@ -194,8 +226,12 @@ def parse_proof(msg: dict[str, Any]) -> tuple[str, bytes] | None:
     return agent_of(msg), _bytes(msg, "proof", NONCE_BYTES, NONCE_BYTES)
 
 
-def parse_sink(msg: dict[str, Any]) -> tuple[str, bytes, list[Span]]:
-    """``(agent, metadata, spans)`` of a ``nixl_sink`` metadata message."""
+def parse_sink(msg: dict[str, Any]) -> tuple[str, bytes, list[Span], list[bytes]]:
+    """``(agent, metadata, spans, tokens)`` of a ``nixl_sink`` metadata message."""
+    tokens = msg.get("tokens", [])
+    if not isinstance(tokens, list) or len(tokens) > MAX_TOKENS:
+        raise _bad(f"tokens must be a list of at most {MAX_TOKENS}")
+    toks = [_blob(t, "a token", NONCE_BYTES, NONCE_BYTES) for t in tokens]
     spans = msg.get("spans")
     if not isinstance(spans, list) or len(spans) > MAX_SPANS:
         raise _bad(f"spans must be a list of at most {MAX_SPANS}")
@@ -210,7 +246,7 @@ def parse_sink(msg: dict[str, Any]) -> tuple[str, bytes, list[Span]]:
         if not ok or not all(isinstance(x, int) and 0 <= x < _U64 for x in (s[0], s[1], s[3])):
             raise _bad("a span is [address, bytes, 'DRAM'|'VRAM', device]")
         out.append((s[0], s[1], s[2], s[3]))
-    return agent_of(msg), _bytes(msg, "md", MAX_MD), out
+    return agent_of(msg), _bytes(msg, "md", MAX_MD), out, toks
 
 
 def _tables(raw: bytes, key: str) -> tuple[PageTable, ...]:

@@ -1,24 +1,21 @@
-"""The producer's half of NIXL's WRITE direction: proven sinks, table sets, running writes.
+"""The producer's half of NIXL's WRITE direction: running writes for proven sinks.
 
-A consumer becomes a *sink* in two steps (:mod:`.write_wire`): its metadata is loaded and
-a challenge is sent to the agent it names as a NIXL notification; the consumer's echo of
-the challenge proves it is that agent, and stays its token: table sets, writes and aborts
-for the sink must carry it. A ``nixl_write`` is then checked against the sink's
-registered ranges and this agent's, made from prepared lists (pages) or descriptors
-(ranges), posted with the notification ``D`` + nonce (NIXL delivers it after the bytes),
-and answered at once. A reaper thread releases each write when it ends; one that fails or
-outruns its ``ttl_s`` is aborted and its sink told ``E`` + nonce. ``nixl_write_abort``
-stops a write; the nonce of one not (yet) seen is remembered, so a late request with it is
-refused. A write's handle is checked and released only under its own lock, once: the
-reaper and an abort never touch a released handle. Everything is bounded:
-:data:`MAX_SINKS`, :data:`MAX_PENDING`, :data:`MAX_SETS`, :data:`MAX_RUNNING` (and
-:data:`MAX_RUNNING_PER_SINK`), :data:`MAX_TOMBS`.
+Sinks (who may be written to, their tokens and table sets) are kept by
+:class:`~.sinks.Sinks`; table sets, writes and aborts for a sink must carry its token. A
+``nixl_write`` is checked against the sink's registered ranges and this agent's, made from
+prepared lists (pages) or descriptors (ranges), posted with the notification ``D`` + nonce
+(NIXL delivers it after the bytes), and answered at once. A reaper thread releases each
+write when it ends; one that fails or outruns its ``ttl_s`` is aborted and its sink told
+``E`` + nonce. ``nixl_write_abort`` stops a write; the nonce of one not (yet) seen is
+remembered, so a late request with it is refused. A write's handle is checked and released
+only under its own lock, once: the reaper and an abort never touch a released handle.
+Bounded: :data:`MAX_RUNNING` (and :data:`MAX_RUNNING_PER_SINK`), :data:`MAX_TOMBS`, and
+the bounds of :mod:`.sinks`.
 """
 
 from __future__ import annotations
 
 import hmac
-import os
 import threading
 import time
 from collections import OrderedDict
@@ -30,31 +27,18 @@ import numpy as np
 
 from vllm_omni_kv.backends.nixl import write_wire as ww
 from vllm_omni_kv.backends.nixl.backoff import Backoff
-from vllm_omni_kv.backends.nixl.handshake import add_agent
-from vllm_omni_kv.backends.nixl.memory import Span, kind_of, tables_kind
+from vllm_omni_kv.backends.nixl.memory import Kind, Span, kind_of, tables_kind, use_device
 from vllm_omni_kv.backends.nixl.prepared_lists import LOCAL_SIDE, PreparedLists
-from vllm_omni_kv.backends.pull.page_reads import PageTable
+from vllm_omni_kv.backends.nixl.sinks import Sinks, TableSet
 from vllm_omni_kv.errors import KVTransferError
 from vllm_omni_kv.logger import init_logger
 
 logger = init_logger(__name__)
 
-MAX_SINKS = 256
-MAX_PENDING = 64
-PENDING_S = 30.0
-MAX_SETS = 256
 MAX_RUNNING = 1024
 MAX_RUNNING_PER_SINK = 256
 MAX_TOMBS = 4096
 TOMB_S = 600.0
-
-TableSet = tuple[tuple[PageTable, ...], tuple[PageTable, ...]]
-
-
-@dataclass
-class _Sink:
-    spans: list[Span]
-    token: bytes  # the challenge of its proof
 
 
 @dataclass
@@ -63,6 +47,7 @@ class _Running:
     sink: str
     token: bytes
     deadline: float
+    kind: Kind  # the source memory's (its device is made current to check or abort it)
     lock: threading.Lock = field(default_factory=threading.Lock)
     released: bool = False
 
@@ -71,6 +56,7 @@ class _Running:
         with self.lock:
             if self.released:
                 return "RELEASED"
+            use_device(self.kind)
             try:
                 return str(agent.check_xfer_state(self.handle))
             except Exception:
@@ -80,6 +66,7 @@ class _Running:
         """Release the handle once (NIXL aborts a running write); False where it refused."""
         with self.lock:
             if not self.released:
+                use_device(self.kind)
                 self.released = _release(self.handle)
             return self.released
 
@@ -95,11 +82,9 @@ class Writer:
         spans: Callable[[], list[Span]],
         unload: Callable[[str], None],
     ) -> None:
-        self._agent, self._prepared, self._spans, self._unload = agent, prepared, spans, unload
+        self._agent, self._prepared, self._spans = agent, prepared, spans
+        self._sinks = Sinks(agent, prepared, unload)
         self._lock = threading.Condition()
-        self._sinks: OrderedDict[str, _Sink] = OrderedDict()
-        self._pending: OrderedDict[str, tuple[list[Span], bytes, float]] = OrderedDict()
-        self._sets: OrderedDict[tuple[str, bytes], TableSet] = OrderedDict()
         self._running: dict[bytes, _Running] = {}
         self._tombs: OrderedDict[bytes, float] = OrderedDict()
         self._reaper: threading.Thread | None = None
@@ -110,112 +95,40 @@ class Writer:
         if self._closed:
             return {"ok": False, "reason": "error", "error": "the NIXL agent is closing"}
         if op == ww.SINK_OP:
-            return self._sink(msg)
+            proof = ww.parse_proof(msg)
+            return self._sinks.request(msg) if proof is None else self._sinks.prove(*proof)
         if op == ww.TABLES_OP:
-            return self._table_set(msg)
+            return self._sinks.add_tables(msg)
         if op == ww.WRITE_OP:
             return self._write(ww.parse_write(msg))
         return self._abort(msg)
 
-    # -- sinks and table sets --------------------------------------------------------
-    def _sink(self, msg: dict[str, Any]) -> dict[str, Any]:
-        proof = ww.parse_proof(msg)
-        if proof is not None:
-            with self._lock:
-                entry = self._pending.get(proof[0])
-                if entry is None or entry[1] != proof[1] or entry[2] < time.monotonic():
-                    return {"ok": False, "reason": "error", "error": "no such challenge"}
-                del self._pending[proof[0]]
-                self._sinks[proof[0]] = _Sink(entry[0], entry[1])
-                evicted = (
-                    self._sinks.popitem(last=False)[0] if len(self._sinks) > MAX_SINKS else None
-                )
-            self._drop(evicted)
-            return {"ok": True}
-        name, md, spans = ww.parse_sink(msg)
-        self._load(name, md)
-        challenge = os.urandom(ww.NONCE_BYTES)
-        with self._lock:
-            self._pending[name] = (spans, challenge, time.monotonic() + PENDING_S)
-            self._pending.move_to_end(name)
-            stale = (
-                self._pending.popitem(last=False)[0] if len(self._pending) > MAX_PENDING else None
-            )
-        if stale is not None and stale not in self._sinks:
-            self._unload(stale)
-        try:
-            self._agent.send_notif(name, b"C" + challenge)
-        except Exception as e:
-            raise KVTransferError(f"cannot reach NIXL agent {name!r} to prove it: {e}") from None
-        return {"ok": True, "challenged": True}
-
-    def _load(self, name: str, md: bytes) -> None:
-        try:
-            add_agent(self._agent, md, name, f"a nixl_sink request for {name!r}", self._stray)
-        except KVTransferError:
-            self._stray(name)
-            raise
-
-    def _stray(self, name: str) -> None:
-        """Unload ``name`` (loaded by a failed ``nixl_sink``) unless it is a sink here."""
-        with self._lock:
-            known = name in self._sinks or name in self._pending
-        if not known:
-            self._unload(name)
-
-    def _sink_of(self, agent: str, token: bytes) -> _Sink | None:
-        """The proven sink ``agent`` if ``token`` is its token (under the lock)."""
-        sink = self._sinks.get(agent)
-        return sink if sink is not None and hmac.compare_digest(sink.token, token) else None
-
-    def _table_set(self, msg: dict[str, Any]) -> dict[str, Any]:
-        name, tid, src, dst = ww.parse_tables(msg)
-        token = ww.token_of(msg)
-        with self._lock:
-            if self._sink_of(name, token) is None:
-                return {"ok": False, "reason": "need_sink"}
-            self._sets[(name, tid)] = (src, dst)
-            self._sets.move_to_end((name, tid))
-            while len(self._sets) > MAX_SETS:
-                self._sets.popitem(last=False)
-        return {"ok": True}
-
-    def _drop(self, sink: str | None) -> None:
-        if sink is None:
-            return
-        with self._lock:
-            for key in [k for k in self._sets if k[0] == sink]:
-                del self._sets[key]
-        self._prepared.drop(self._agent, sink)
-        self._unload(sink)
-
     # -- writes ----------------------------------------------------------------------
     def _write(self, req: ww.WriteRequest) -> dict[str, Any]:
+        sink = self._sinks.of(req.agent, req.token)
+        if sink is None:
+            return {"ok": False, "reason": "need_sink"}
+        tset = self._sinks.tables(req.agent, req.pages.tables) if req.pages else None
+        if req.pages is not None and tset is None:
+            return {"ok": False, "reason": "need_tables"}
         with self._lock:
-            sink = self._sink_of(req.agent, req.token)
-            if sink is None:
-                return {"ok": False, "reason": "need_sink"}
-            self._sinks.move_to_end(req.agent)
             if req.nonce in self._tombs or req.nonce in self._running:
                 return {"ok": False, "reason": "error", "error": "nonce already used"}
             mine = sum(1 for r in self._running.values() if r.sink == req.agent)
             if len(self._running) >= MAX_RUNNING or mine >= MAX_RUNNING_PER_SINK:
                 return {"ok": False, "reason": "busy"}
-            tset = self._sets.get((req.agent, req.pages.tables)) if req.pages else None
-            if req.pages is not None and tset is None:
-                return {"ok": False, "reason": "need_tables"}
         notif = b"D" + req.nonce
         if req.pages is not None and tset is not None:
-            make = self._pages(req.agent, sink.spans, req.pages, tset, notif)
+            make, kind = self._pages(req.agent, sink.spans, req.pages, tset, notif)
         else:
             assert req.ranges is not None
-            make = self._ranges(req.agent, sink.spans, req.ranges, notif)
-        self._post(req, make)
+            make, kind = self._ranges(req.agent, sink.spans, req.ranges, notif)
+        self._post(req, make, kind)
         return {"ok": True}
 
     def _pages(
         self, name: str, sink: list[Span], g: ww.PageGroup, tset: TableSet, notif: bytes
-    ) -> Callable[[], Any]:
+    ) -> tuple[Callable[[], Any], Kind]:
         src, dst = tset
         s_ids, d_ids = ww.page_ids(g, src, dst)
         skind, dkind = tables_kind(self._spans(), src), tables_kind(sink, dst)
@@ -229,11 +142,11 @@ class Writer:
             with self._prepared.using():
                 return self._agent.make_prepped_xfer("WRITE", local, s32, remote, d32, notif)
 
-        return make
+        return make, skind
 
     def _ranges(
         self, name: str, sink: list[Span], rows: np.ndarray, notif: bytes
-    ) -> Callable[[], Any]:
+    ) -> tuple[Callable[[], Any], Kind]:
         ours = self._spans()
         triples = [(int(d), int(s), int(n)) for d, s, n in rows.tolist()]
         skinds = {kind_of(ours, s, n) for _d, s, n in triples}
@@ -251,12 +164,13 @@ class Writer:
             remote = self._agent.get_xfer_descs([(d, n, ddev) for d, _s, n in triples], dmem)
             return self._agent.initialize_xfer("WRITE", local, remote, name, notif)
 
-        return make
+        return make, (smem, sdev)
 
-    def _post(self, req: ww.WriteRequest, make: Callable[[], Any]) -> None:
+    def _post(self, req: ww.WriteRequest, make: Callable[[], Any], kind: Kind) -> None:
         """Post one write and track it. A post that failed once its handle existed is
         tracked too unless its handle is released: NIXL may have posted part of it, so the
         sink's abort must find it (the reaper releases it)."""
+        use_device(kind)  # the source's device: this thread posts and polls on its context
         try:
             handle = make()
         except Exception as e:
@@ -266,14 +180,14 @@ class Writer:
         except Exception as e:
             state, why = "ERR", str(e)
         if state != "ERR" or not _release(handle):
-            self._track(req, handle)
+            self._track(req, handle, kind)
         if state == "ERR":
             raise KVTransferError(f"NIXL could not post a write to {req.agent!r}: {why}")
 
-    def _track(self, req: ww.WriteRequest, handle: Any) -> None:
+    def _track(self, req: ww.WriteRequest, handle: Any, kind: Kind) -> None:
         with self._lock:
             deadline = time.monotonic() + req.ttl_s
-            self._running[req.nonce] = _Running(handle, req.agent, req.token, deadline)
+            self._running[req.nonce] = _Running(handle, req.agent, req.token, deadline, kind)
             if self._reaper is None:
                 self._reaper = threading.Thread(target=self._reap, name="omnikv-nixl-writes")
                 self._reaper.daemon = True
@@ -282,10 +196,11 @@ class Writer:
 
     def _abort(self, msg: dict[str, Any]) -> dict[str, Any]:
         nonce, agent, token = ww.nonce_of(msg), ww.agent_of(msg), ww.token_of(msg)
+        known = self._sinks.of(agent, token) is not None
         with self._lock:
             run = self._running.get(nonce)
             if run is None:  # not seen (yet): refused when it comes, if its sink sent this
-                if self._sink_of(agent, token) is not None:
+                if known:
                     self._tomb(nonce)
                 return {"ok": True, "state": "unknown"}
             if run.sink != agent or not hmac.compare_digest(run.token, token):
@@ -354,7 +269,8 @@ class Writer:
         # no reference to the agent outlives its engine's close (its UCX progress thread
         # busy-polls until the agent is destroyed)
         self._agent = None
-        self._spans = self._unload = _nothing
+        self._spans = _nothing
+        self._sinks.close()
 
 
 def _nothing(*_a: Any) -> Any:

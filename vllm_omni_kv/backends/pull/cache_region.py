@@ -55,6 +55,7 @@ from vllm_omni_kv.backends.cache_region import AllocateHostCache, CacheRegion, c
 from vllm_omni_kv.backends.keys import edge_key
 from vllm_omni_kv.backends.pull.page_pull import PagePull
 from vllm_omni_kv.backends.pull.pull import PullTransferConnector
+from vllm_omni_kv.backends.pull.puller import register_memory
 from vllm_omni_kv.errors import ConfigError, KVPayloadError, KVTransferError
 from vllm_omni_kv.kvcache.cache_layout import KVLayoutId, page_view
 from vllm_omni_kv.kvcache.move_plan import MovePlan, Part
@@ -62,17 +63,6 @@ from vllm_omni_kv.kvcache.shared_pages import PageCopy, attach_layers, layer_geo
 from vllm_omni_kv.logger import init_logger
 
 logger = init_logger(__name__)
-
-
-def _register(conn: PullTransferConnector, addr: int, size: int, device: torch.device) -> None:
-    """Register ``size`` bytes at ``addr`` on ``device`` with the connector's engine."""
-    register = getattr(conn.engine, "register_device", None)
-    if register is not None:
-        register(addr, size, str(device))
-    elif device.type == "cpu":
-        conn.engine.register(addr, size)
-    else:
-        raise KVTransferError(f"the {conn.backend_name} engine cannot register {device} memory")
 
 
 class TECacheRegion(CacheRegion):
@@ -105,7 +95,7 @@ class TECacheRegion(CacheRegion):
         # the map cannot be closed under the tensor (torch keeps no export of ``mm`` itself)
         tensor = torch.frombuffer(memoryview(mm), dtype=torch.int8, count=nbytes)
         addr = tensor.data_ptr()
-        _register(self.conn, addr, nbytes, tensor.device)
+        register_memory(self.conn.engine, self.kind, addr, nbytes, tensor.device)
         with self._lock:
             self._map, self.tensor, self._registered = mm, tensor, addr
             self._spans[addr] = (nbytes, tensor.device)
@@ -159,7 +149,7 @@ class TECacheRegion(CacheRegion):
             why = "PYTORCH_CUDA_ALLOC_CONF has expandable_segments (not registrable memory)"
         else:
             try:
-                _register(self.conn, base, nbytes, caches[0].device)
+                register_memory(self.conn.engine, self.kind, base, nbytes, caches[0].device)
             except Exception as e:
                 why = f"{type(e).__name__}: {e}"
         if why:
@@ -201,7 +191,7 @@ class TECacheRegion(CacheRegion):
         with self._lock:
             spans = dict(self._spans)
         for addr, (size, device) in spans.items():
-            _register(self.conn, addr, size, device)
+            register_memory(self.conn.engine, self.kind, addr, size, device)
         with self._lock:
             self._registered = None if self.tensor is None else self.tensor.data_ptr()
 

@@ -33,7 +33,7 @@ from vllm_omni_kv.backends.net import local_ip
 from vllm_omni_kv.backends.pool import ManagedBuffer, MemoryPool
 from vllm_omni_kv.backends.pull.exposure import ExposureTable
 from vllm_omni_kv.backends.pull.pull_stream import Lease, LeaseBook, PullFrameStream, RawPullStream
-from vllm_omni_kv.backends.pull.puller import EngineAdapter, Puller, PullFailed
+from vllm_omni_kv.backends.pull.puller import EngineAdapter, Puller, PullFailed, register_memory
 from vllm_omni_kv.backends.pull.sender_ops import SenderOps
 from vllm_omni_kv.backends.pull.sender_requests import SenderEndpoints, SenderRequests
 from vllm_omni_kv.backends.pull.side_channel import (
@@ -82,11 +82,11 @@ class PullTransferConnector(OmniConnectorBase):
             self._exposed, self.engine, self.engine_id, self.transfer_timeout_s, self.buffer_ttl_s
         )
         try:
-            self.pool = MemoryPool(self.pool_size, self.pool_device)
-            self.allocator = self.pool.allocator
-            self.base_ptr = self.pool.base_ptr
-            self._host_pool = self.pool.device.type == "cpu"
-            self.engine.register(self.base_ptr, self.pool.size)
+            pool = self.pool = MemoryPool(self.pool_size, self.pool_device)
+            self.allocator = pool.allocator
+            self.base_ptr = pool.base_ptr
+            self._host_pool = pool.device.type == "cpu"
+            register_memory(self.engine, self.backend_name, self.base_ptr, pool.size, pool.device)
         except BaseException:
             self.engine.close()
             raise

@@ -46,6 +46,23 @@ class EngineAdapter(Protocol):
     def close(self) -> None: ...
 
 
+def register_memory(
+    engine: EngineAdapter, name: str, addr: int, size: int, device: torch.device
+) -> None:
+    """Register ``size`` bytes at ``addr`` of ``device`` with ``engine`` (the ``name``
+    backend's): device memory only where the engine can move it (``register_device``)."""
+    register = getattr(engine, "register_device", None)
+    if register is not None:
+        register(addr, size, str(device))
+    elif device.type == "cpu":
+        engine.register(addr, size)
+    else:
+        raise KVTransferError(
+            f"the {name} engine cannot move {device} memory: use host memory "
+            "(memory_pool_device: cpu)"
+        )
+
+
 class PullFailed(KVTransferError):
     """An engine read failed, or the sender freed the block during the pull."""
 

@@ -62,6 +62,11 @@ class YuanrongEngine:
     def register(self, addr: int, size: int) -> None:
         _check(self.engine.register_memory(addr, size), f"register_memory({addr:#x}, {size})")
 
+    def register_device(self, addr: int, size: int, device: str) -> None:
+        """Memory of ``device`` (the engine moves that of the device it was initialized
+        for: NPU memory on Ascend, its default pool)."""
+        self.register(addr, size)
+
     def unregister(self, addr: int) -> None:
         _check(self.engine.unregister_memory(addr), "unregister_memory")
 
