@@ -122,6 +122,20 @@ def test_a_sink_whose_registrations_changed_proves_itself_again_with_its_token()
         sender.close()
 
 
+def test_a_sinks_metadata_stays_loaded_when_the_agent_forgets_a_peer_of_its_name() -> None:
+    """An agent that also READs from its sink drops that peer after a failed read: the
+    sink's metadata stays loaded (only the lists prepared over it go), so writes to it go on."""
+    sender, receiver = _conn("sender"), _conn("receiver", nixl_direction="write")
+    try:
+        assert pull_round_trip(sender, receiver) is None
+        s = sender.engine  # type: ignore[attr-defined]
+        s._unload(receiver.engine.name)  # type: ignore[attr-defined]  # what forget() runs
+        assert pull_round_trip(sender, receiver) is None
+    finally:
+        receiver.close()
+        sender.close()
+
+
 def _as_sink(receiver: NixlPullConnector, sender: NixlPullConnector, msg: dict[str, Any]) -> Any:
     """``msg`` signed as the proven sink ``receiver`` signs it for ``sender`` (its token)."""
     return receiver.engine._writes._signed(_endpoint(sender), msg)  # type: ignore[attr-defined]

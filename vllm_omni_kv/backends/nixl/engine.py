@@ -259,7 +259,7 @@ class NixlEngine:
 
     def _unload(self, name: str) -> None:
         self._prepared.drop(self.agent, name)  # lists over the memory the peer had registered
-        if name == self.name:
+        if name == self.name or self.writer.holds(name):  # a sink's metadata stays loaded
             return
         try:
             self.agent.remove_remote_agent(name)

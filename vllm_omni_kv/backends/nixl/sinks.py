@@ -143,10 +143,18 @@ class Sinks:
         if replaced:
             self._drop_lists(name)
 
+    def holds(self, name: str) -> bool:
+        """Whether ``name`` is a sink or a pending proof here."""
+        with self._lock:
+            return self._known(name)
+
+    def _known(self, name: str) -> bool:
+        return name in self._sinks or any(p.name == name for p in self._pending.values())
+
     def _unload_unknown(self, name: str) -> None:
         """Unload ``name`` unless it is a sink or a pending proof here."""
         with self._lock:
-            if name in self._sinks or any(p.name == name for p in self._pending.values()):
+            if self._known(name):
                 return
             self._loaded.pop(name, None)
         self._unload(name)
@@ -185,7 +193,12 @@ class Sinks:
             return self._sets.get((name, tid))
 
     def close(self) -> None:
-        """Let go of the agent (its engine is closing)."""
+        """Let go of the agent and of every sink (its engine is closing)."""
+        with self._lock:
+            self._sinks.clear()
+            self._pending.clear()
+            self._loaded.clear()
+            self._sets.clear()
         self._agent = None
         self._unload = _nothing
 

@@ -103,6 +103,10 @@ class Writer:
             return self._write(ww.parse_write(msg))
         return self._abort(msg)
 
+    def holds(self, name: str) -> bool:
+        """Whether ``name`` is a sink here, or asked to be one (its metadata stays loaded)."""
+        return self._sinks.holds(name)
+
     # -- writes ----------------------------------------------------------------------
     def _write(self, req: ww.WriteRequest) -> dict[str, Any]:
         sink = self._sinks.of(req.agent, req.token)
