@@ -299,6 +299,9 @@ def test_a_request_waiting_for_blocks_extends_its_payload_beyond_send_ttl(
 
     t = threading.Thread(target=watch, daemon=True)
     t.start()
+    # the requests come 1.5 s after the payload: with the filler's recv_timeout, the queued
+    # one is claimed past SEND_TTL + 1 however fast the machine decodes
+    time.sleep(1.5)
     prompts = groups["filler"] + queued
     never_sent = {
         "do_remote_prefill": True,
