@@ -11,6 +11,7 @@ it was.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 import uuid
@@ -191,6 +192,35 @@ def test_materialized_grouped_payload_holds_each_layers_kept_pages(producer: Pro
         assert pages.shape[0] == NEEDED - first
         for j, b in enumerate(table[first:]):
             assert torch.equal(pages[j].view(torch.uint8).reshape(-1), producer.page(layer, b))
+
+
+class _Watched:
+    """A page source whose hold's return records how many host waits came before it."""
+
+    def __init__(self, inner: Any, rs: RecordingStreams) -> None:
+        self.inner, self.rs = inner, rs
+        self.waits_at_release: list[int] = []
+
+    @contextlib.contextmanager
+    def reading(self, hold: Any) -> Iterator[None]:
+        with self.inner.reading(hold):
+            yield
+            self.waits_at_release.append(len(self.rs.host_waits))
+
+    def attach(self, descriptor: Any) -> torch.Tensor:
+        return self.inner.attach(descriptor)
+
+
+def test_materialized_pages_are_gathered_before_the_hold_goes_back(producer: Producer) -> None:
+    """On a device (the stream interface, recorded here on host tensors) the gathers of a
+    materialized payload are waited for before the producer's hold is returned: the
+    producer may reuse its blocks right after."""
+    rs = RecordingStreams()
+    source = _Watched(producer.reader, rs)
+    with device_order.installed("cpu", rs):
+        got = materialize_pages(producer.payload(), source)  # type: ignore[arg-type]
+    assert source.waits_at_release == [1], source.waits_at_release
+    assert len(got["layer_blocks"]["kv_blocks"]) == LAYERS
 
 
 def test_a_consumer_keeping_more_blocks_than_sent_is_refused(producer: Producer) -> None:

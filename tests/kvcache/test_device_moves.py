@@ -118,6 +118,21 @@ def test_staged_d2h_costs_the_same_at_any_page_count() -> None:
     assert seen[4] == seen[64] == seen[1024]
 
 
+def test_block_id_uploads_never_wait_on_the_host_while_the_device_is_busy() -> None:
+    """Requests staged one after another in a step whose forward still runs: each move's
+    block ids go up without a host wait (the kept pinned buffer is still being read, so
+    the next upload takes a buffer of its own), and each move's ids are exact."""
+    from vllm_omni_kv.kvcache.device_scratch import MoveScratch
+
+    fake = RecordingStreams()
+    fake.busy = True  # every event reports its work still queued, as behind a forward
+    scratch = MoveScratch(torch.device("cpu"), fake)
+    for ids in ([3, 1, 2], [7, 5], list(range(2000)), [9]):
+        with scratch.use():
+            assert scratch.ids(ids).tolist() == ids
+    assert fake.host_waits == []
+
+
 def test_each_part_of_a_staged_payload_is_one_copy() -> None:
     """Layer-wise parts: each part's frame takes its own layers in one copy."""
     n = 64

@@ -257,3 +257,47 @@ def test_the_triton_kernel_moves_exact_bytes_in_one_launch(monkeypatch: pytest.M
         p.join(30)
     assert small_ok and large_ok
     assert small == large, (small, large)
+
+
+def _kernel_fails(out: Any) -> None:
+    """In a child with TRITON_INTERPRET=1: the warm-up passes; then a kernel that cannot
+    be launched (as without a compiler) is turned off, and the move takes the gathers."""
+    from vllm_omni_kv.kvcache import page_kernel
+
+    warmed = page_kernel.warm_up(torch.device("cpu"))
+
+    class _Broken:
+        def __getitem__(self, grid: Any) -> Any:
+            def run(*_a: Any, **_k: Any) -> None:
+                raise RuntimeError("ptxas not found")
+
+            return run
+
+    page_kernel._kernel = lambda: _Broken()  # type: ignore[assignment]
+    src, dst, pairs = _pages(13)[:2], _pages(14)[:2], _pairs(4, 4)
+    want = _expected(src, dst, pairs)
+    plan = MovePlan.whole(src, dst, pairs)
+    with device_order.installed("cpu", RecordingStreams()) as rs:
+        assert isinstance(rs, RecordingStreams)
+        move(plan)
+        gathered = bool(rs.queued(rs.side_streams()[-1], "index_copy_"))
+    exact = all(torch.equal(_bits(a), _bits(b)) for a, b in zip(dst, want))
+    out.put((warmed, gathered, exact, page_kernel.usable(plan, torch.device("cpu"))))
+
+
+def test_a_kernel_that_cannot_launch_is_turned_off_and_the_move_still_exact(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The warm-up (run where a consumer registers a CUDA cache for ``cuda_ipc``) compiles
+    and checks the kernel; a kernel that fails to compile or launch is turned off for the
+    process and that move, like every later one, takes the per-layer gathers: exact bytes."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    q = CTX.Queue()
+    p = CTX.Process(target=_kernel_fails, args=(q,))
+    p.start()
+    try:
+        warmed, gathered, exact, usable_after = q.get(timeout=240)
+    finally:
+        p.join(30)
+    assert warmed and gathered and exact and not usable_after

@@ -26,6 +26,7 @@ from vllm_omni_kv.errors import (
     KVTransferTimeout,
     OmniKVError,
 )
+from vllm_omni_kv.kvcache import page_kernel
 from vllm_omni_kv.kvcache.device_order import DeviceEvent
 from vllm_omni_kv.kvcache.kv_utils import KVTPTopology
 from vllm_omni_kv.logger import init_logger
@@ -55,6 +56,14 @@ class LoadRunner:
         self.compat = compat
         self.region: CacheRegion | None = session.cache_region
         self.stop = threading.Event()
+        dev = layers[0].cache.device if layers else None
+        if (
+            dev is not None
+            and dev.type == "cuda"
+            and self.region
+            and self.region.kind == "cuda_ipc"
+        ):
+            page_kernel.warm_up(dev)  # compiled now, not in the first load (off if it fails)
 
     def topology(self, source_tp: int | None) -> KVTPTopology:
         return KVTPTopology(

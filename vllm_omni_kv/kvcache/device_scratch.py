@@ -5,9 +5,10 @@ payload) uploads its block ids with one non-blocking copy from a pinned host buf
 where its data crosses the bus in one piece, passes it through one device byte buffer.
 Both buffers are kept and grown geometrically, so the steady path allocates nothing.
 
-Reuse is ordered by events, never by the caller's care: the host rewrites the pinned ids
-only once the previous upload ran (waiting only when it has not), and each move's stream
-first waits on the device for the previous move's last use (:meth:`MoveScratch.use`).
+Reuse is ordered by events, never by the caller's care: the host rewrites the kept pinned
+ids only once their previous upload ran (and, while it has not, uploads through a pinned
+buffer of its own: no host wait), and each move's stream first waits on the device for the
+previous move's last use (:meth:`MoveScratch.use`).
 """
 
 from __future__ import annotations
@@ -61,24 +62,31 @@ class MoveScratch:
 
     def ids(self, ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
         """``ids`` as a ``long`` tensor on the device: one non-blocking copy from pinned
-        memory, queued on the current stream (call inside :meth:`use`)."""
+        memory, queued on the current stream (call inside :meth:`use`). Never a host wait:
+        while the kept pinned buffer's last upload has not run (it may be queued behind a
+        forward), this one goes through a pinned buffer of its own, which torch's pinned
+        allocator keeps until the copy ran."""
         n = len(ids)
+        pin = self.device.type == "cuda"
         if self._host_ids is None or self._host_ids.numel() < n:
             cap = _grown(0 if self._host_ids is None else self._host_ids.numel(), max(n, _MIN_IDS))
-            pin = self.device.type == "cuda"
             self._host_ids = torch.empty(cap, dtype=torch.long, pin_memory=pin)
             self._dev_ids = torch.empty(cap, dtype=torch.long, device=self.device)
+            host = self._host_ids
         elif self._uploaded is not None and not self._uploaded.query():
-            self._uploaded.synchronize()  # the pinned ids are still being read
+            host = torch.empty(n, dtype=torch.long, pin_memory=pin)
+        else:
+            host = self._host_ids
         assert self._dev_ids is not None
         if isinstance(ids, torch.Tensor):
-            self._host_ids[:n].copy_(ids)
+            host[:n].copy_(ids)
         else:
-            self._host_ids.numpy()[:n] = ids
+            host.numpy()[:n] = ids
         out = self._dev_ids[:n]
-        out.copy_(self._host_ids[:n], non_blocking=True)
-        self._uploaded = self.streams.event()
-        self._uploaded.record(self.streams.current(self.device))
+        out.copy_(host[:n], non_blocking=True)
+        if host is self._host_ids:  # only the kept buffer's reuse waits for this upload
+            self._uploaded = self.streams.event()
+            self._uploaded.record(self.streams.current(self.device))
         return out
 
     def bytes(self, n: int) -> torch.Tensor:

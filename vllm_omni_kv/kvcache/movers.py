@@ -202,9 +202,17 @@ class DeviceMover:
                 f"pages on {plan.src[0].device} cannot move to {dev} in one plan: open the "
                 "producer's memory on the destination's device"
             )
+        if page_kernel.usable(plan, dev):
+            try:
+                return self._move(plan, wait, page_kernel.tables(plan, dev))
+            except page_kernel.KernelFailed:
+                pass  # nothing was queued; the kernel is off from now on (logged)
+        return self._move(plan, wait, None)
+
+    def _move(self, plan: MovePlan, wait: bool, kernel: page_kernel.Tables | None) -> int:
+        dev = plan.dst[0].device
         slots, size = _slots(plan)
         check = [k for k, (_gi, layer, _off) in enumerate(slots) if plan.digests(layer) is not None]
-        kernel = page_kernel.tables(plan, dev) if page_kernel.usable(plan, dev) else None
         indexed = kernel is None or bool(check)  # gathers / scatters run
         scratch = _buffer(size if indexed else 0, dev)  # pages in pair order, as bytes
         src, dst, picked, placed = _views(plan, slots, scratch) if indexed else ([], [], [], [])

@@ -21,6 +21,9 @@ import torch
 
 from vllm_omni_kv.kvcache.cache_layout import dense_pages
 from vllm_omni_kv.kvcache.move_plan import MovePlan
+from vllm_omni_kv.logger import init_logger
+
+logger = init_logger(__name__)
 
 #: words each program copies
 BLOCK = 2048
@@ -35,7 +38,9 @@ def _kernel() -> Any:
     except ImportError:
         return None
 
-    @triton.jit  # type: ignore[misc]
+    # the layer count and the items' address (5 * layers words into the table) are not
+    # specialized on, so one compiled variant per word width serves every move
+    @triton.jit(do_not_specialize=["n_layers", "items"])  # type: ignore[misc]
     def copy_pages(table, n_layers, items, WORD: tl.constexpr, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]  # noqa: N803
         item = tl.program_id(0)
         start = tl.program_id(1) * BLOCK
@@ -55,10 +60,19 @@ def _kernel() -> Any:
     return copy_pages
 
 
+class KernelFailed(Exception):
+    """The kernel could not be compiled or launched; it is off from now on (the mover
+    takes its per-layer gathers and scatters)."""
+
+
+#: why the kernel is off in this process (None: it is not)
+_off: str | None = None
+
+
 def usable(plan: MovePlan, device: torch.device) -> bool:
-    """Whether :func:`launch` can move ``plan`` on ``device``: Triton present, a CUDA
-    device (or the interpreter), and every moved page dense with byte strides."""
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    """Whether :func:`launch` can move ``plan`` on ``device``: Triton present and working,
+    a CUDA device (or the interpreter), and every moved page dense with byte strides."""
+    if _off is not None or (device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1"):
         return False
     layers = [i for g in plan.groups for i in g.layers]
     for i in layers:
@@ -77,7 +91,11 @@ def _word(plan: MovePlan, layers: list[int]) -> int:
     return next(w for w in (8, 4, 2, 1) if all(v % w == 0 for v in values))
 
 
-def tables(plan: MovePlan, device: torch.device) -> tuple[torch.Tensor, int, int, int]:
+#: :func:`tables`' result: the host table, layers, items, word bytes
+Tables = tuple[torch.Tensor, int, int, int]
+
+
+def tables(plan: MovePlan, device: torch.device) -> Tables:
     """``(one int64 tensor on the host: the layer table then the items, layers, items,
     word bytes)``: per layer source / destination address, page strides and page size
     in words; per (layer, pair) its layer, source page and destination page."""
@@ -109,7 +127,41 @@ def launch(plan: MovePlan, host: torch.Tensor, layers: int, items: int, word: in
     up = host if device.type == "cpu" else host.to(device, non_blocking=True)
     per = max(plan.page_bytes(i) for g in plan.groups for i in g.layers) // word
     grid = (items, -(-per // BLOCK))
-    _kernel()[grid](up, layers, up[5 * layers :], WORD=_tl_word(word), BLOCK=BLOCK)
+    try:
+        _kernel()[grid](up, layers, up[5 * layers :], WORD=_tl_word(word), BLOCK=BLOCK)
+    except Exception as e:  # compiling (no compiler, an unsupported card) or launching
+        turn_off(f"{type(e).__name__}: {e}")
+        raise KernelFailed(str(e)) from None
+
+
+def turn_off(why: str) -> None:
+    """Stop using the kernel in this process (logged once)."""
+    global _off
+    if _off is None:
+        logger.warning(
+            "the Triton page kernel is off (%s): device moves take per-layer gathers and scatters",
+            why,
+        )
+    _off = why
+
+
+def warm_up(device: torch.device) -> bool:
+    """Compile the kernel now and check it moves exact bytes (two pages of two layers on
+    ``device``), so that no load pays for the compile; False (the kernel off) where it
+    cannot. Call at start, where the device caches are registered."""
+    src = [torch.arange(512, dtype=torch.int64, device=device).view(2, 256) for _ in range(2)]
+    dst = [torch.zeros(2, 256, dtype=torch.int64, device=device) for _ in range(2)]
+    plan = MovePlan.whole(src, dst, [(0, 1), (1, 0)])
+    if not usable(plan, device):
+        return False
+    try:
+        launch(plan, *tables(plan, device))
+    except KernelFailed:
+        return False
+    if not all(torch.equal(d, s.flip(0)) for s, d in zip(src, dst, strict=True)):
+        turn_off("it moved wrong bytes in its warm-up")
+        return False
+    return True
 
 
 def _tl_word(word: int) -> Any:

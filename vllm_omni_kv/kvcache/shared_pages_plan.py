@@ -17,6 +17,7 @@ import torch
 
 from vllm_omni_kv.errors import KVPayloadError
 from vllm_omni_kv.kvcache.cache_layout import KVLayoutId, page_view
+from vllm_omni_kv.kvcache.device_order import settle, streams_of
 from vllm_omni_kv.kvcache.layer_windows import LAYER_FIRST_BLOCKS
 from vllm_omni_kv.kvcache.meta import PAGED_BLOCKS
 from vllm_omni_kv.kvcache.page_groups import GROUPS as SHARED_GROUPS
@@ -154,15 +155,20 @@ def materialize_pages(payload: dict[str, Any], source: PageSource | None) -> dic
     with source.reading(shared.get("hold")):
         base = source.attach(shared.get("region"))
         views = attach_layers(base, shared.get("geometry"), ident, dtype)
+        # each group's block ids once, where the producer's pages are (a device for cuda_ipc)
+        ids = {
+            id(g): torch.tensor(g.block_ids, dtype=torch.long, device=base.device) for g in groups
+        }
         try:
             pages = [
-                page_view(v, ident).index_select(
-                    0, torch.tensor(of_layer[i].block_ids, dtype=torch.long)
-                )
+                page_view(v, ident).index_select(0, ids[id(of_layer[i])])
                 for i, v in enumerate(views)
             ]
         except (IndexError, RuntimeError) as e:
             raise KVPayloadError(f"shared-pages payload names pages outside its cache: {e}") from e
+        streams = streams_of(base.device)
+        if streams is not None:  # the gathers have read the pages before the hold goes back
+            settle(streams, base.device)
     md = {k: v for k, v in payload["metadata"].items() if k != SHARED}
     md["format"] = PAGED_BLOCKS
     if SHARED_GROUPS in shared:  # each layer holds its group's blocks

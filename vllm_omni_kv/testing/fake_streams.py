@@ -104,6 +104,9 @@ class RecordingStreams:
         self.host_waits: list[Position] = []
         self.events: list[FakeEvent] = []
         self.devices: list[tuple[str, torch.device]] = []  # (thread name, device)
+        #: events made while set report work still running (``query`` False), as on a GPU
+        #: busy with a forward
+        self.busy = False
         self._local = threading.local()
 
     def _stream(self, name: str) -> FakeStream:
@@ -127,7 +130,7 @@ class RecordingStreams:
         return self._stream("stream")
 
     def event(self) -> FakeEvent:
-        e = FakeEvent(self)
+        e = FakeEvent(self, done=not self.busy)
         with self.lock:
             self.events.append(e)
         return e
