@@ -106,18 +106,28 @@ def tables(plan: MovePlan, device: torch.device) -> Tables:
     table += [plan.src[i].stride(0) * plan.src[i].element_size() // word for i in layers]
     table += [plan.dst[i].stride(0) * plan.dst[i].element_size() // word for i in layers]
     table += [plan.page_bytes(i) // word for i in layers]
-    item_layer: list[int] = []
-    item_src: list[int] = []
-    item_dst: list[int] = []
+    # per group, its layers times its pairs, built with tensor ops (not per page in Python)
+    ids = plan.host_ids()
+    parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     for g in plan.groups:
-        for i in g.layers:
-            item_layer += [row[i]] * len(g.pairs)
-            item_src += [s for s, _ in g.pairs]
-            item_dst += [d for _, d in g.pairs]
-    host = torch.tensor(table + item_layer + item_src + item_dst, dtype=torch.int64)
-    if device.type == "cuda" and torch.cuda.is_available():
-        host = host.pin_memory()
-    return host, len(layers), len(item_layer), word
+        a, b = g.span
+        rows = torch.tensor([row[i] for i in g.layers], dtype=torch.int64)
+        parts.append(
+            (
+                rows.repeat_interleave(b - a),
+                ids[0, a:b].repeat(len(rows)),
+                ids[1, a:b].repeat(len(rows)),
+            )
+        )
+    items = sum(len(p[0]) for p in parts)
+    pin = device.type == "cuda" and torch.cuda.is_available()
+    host = torch.empty(len(table) + 3 * items, dtype=torch.int64, pin_memory=pin)
+    host[: len(table)] = torch.tensor(table, dtype=torch.int64)
+    for k in range(3):  # the items' layers, then source pages, then destination pages
+        torch.cat(
+            [p[k] for p in parts], out=host[len(table) + k * items : len(table) + (k + 1) * items]
+        )
+    return host, len(layers), items, word
 
 
 def launch(plan: MovePlan, host: torch.Tensor, layers: int, items: int, word: int) -> None:

@@ -45,6 +45,7 @@ from vllm_omni_kv.backends.nixl.memory import (
     memory_of,
     posting,
     producer_writes,
+    registration_hint,
     tables_kind,
 )
 from vllm_omni_kv.backends.nixl.prepared_lists import LOCAL_SIDE, PreparedLists
@@ -176,8 +177,8 @@ class NixlEngine:
             reg = self.agent.register_memory([(addr, size, dev, "")], mem)
         except Exception as e:
             raise KVTransferError(
-                f"NIXL register_memory({addr:#x}, {size}, {mem}) failed: {e} "
-                "(memlock limits? try a smaller memory_pool_size)"
+                f"NIXL register_memory({addr:#x}, {size}, {mem}:{dev}) failed: {e} "
+                + registration_hint(mem)
             ) from None
         with self._lock:
             self._regs[addr] = (reg, span)

@@ -24,6 +24,13 @@ def memory_of(device: str) -> tuple[str, int]:
     return ("VRAM", d.index or 0) if d.type == "cuda" else ("DRAM", 0)
 
 
+def registration_hint(mem: str) -> str:
+    """What to check when NIXL refuses to register memory of type ``mem``."""
+    if mem == "VRAM":
+        return "(is NIXL's CUDA build installed, nixl-cu12 or nixl-cu13 as torch's CUDA?)"
+    return "(memlock limits? try a smaller memory_pool_size)"
+
+
 def use_device(kind: Kind) -> None:
     """Make ``kind``'s CUDA device the calling thread's (``VRAM``; nothing for ``DRAM``), as
     the pull threads do before their reads: the side-channel thread that posts a WRITE and
