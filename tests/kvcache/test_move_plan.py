@@ -243,18 +243,23 @@ def _kernel_moves(out: Any) -> None:
     out.put(results)
 
 
-def test_the_triton_kernel_moves_exact_bytes_in_one_launch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The kernel CUDA moves take (one launch over all layers), run by Triton's interpreter
-    on host tensors: exact bytes, the same operations at 4 and 16 pages."""
+def _in_interpreter(monkeypatch: pytest.MonkeyPatch, target: Any) -> Any:
+    """What ``target(queue)`` puts, run in a child process with Triton's interpreter."""
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     q = CTX.Queue()
-    p = CTX.Process(target=_kernel_moves, args=(q,))
+    p = CTX.Process(target=target, args=(q,))
     p.start()
     try:
-        (small, small_ok), (large, large_ok) = q.get(timeout=240)
+        return q.get(timeout=240)
     finally:
         p.join(30)
+
+
+def test_the_triton_kernel_moves_exact_bytes_in_one_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel CUDA moves take (one launch over all layers), run by Triton's interpreter
+    on host tensors: exact bytes, the same operations at 4 and 16 pages."""
+    (small, small_ok), (large, large_ok) = _in_interpreter(monkeypatch, _kernel_moves)
     assert small_ok and large_ok
     assert small == large, (small, large)
 
@@ -291,13 +296,5 @@ def test_a_kernel_that_cannot_launch_is_turned_off_and_the_move_still_exact(
     """The warm-up (run where a consumer registers a CUDA cache for ``cuda_ipc``) compiles
     and checks the kernel; a kernel that fails to compile or launch is turned off for the
     process and that move, like every later one, takes the per-layer gathers: exact bytes."""
-    pytest.importorskip("triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    q = CTX.Queue()
-    p = CTX.Process(target=_kernel_fails, args=(q,))
-    p.start()
-    try:
-        warmed, gathered, exact, usable_after = q.get(timeout=240)
-    finally:
-        p.join(30)
+    warmed, gathered, exact, usable_after = _in_interpreter(monkeypatch, _kernel_fails)
     assert warmed and gathered and exact and not usable_after
