@@ -223,3 +223,26 @@ def test_a_sinks_metadata_is_replaced_only_with_a_token_it_may_hold() -> None:
         assert w(ww.proof_msg("v", agent.challenges["v"])) == {"ok": True}
     finally:
         w.close()
+
+
+def test_an_agent_left_with_neither_a_sink_nor_a_request_is_unloaded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stale proof of an agent that is no longer a sink (evicted) and has no request
+    waiting leaves no metadata loaded behind it."""
+    from vllm_omni_kv.backends.nixl import sinks
+
+    monkeypatch.setattr(sinks, "MAX_SINKS", 1)
+    agent, unloaded = _Agent(), []
+    w = _writer(agent, unloaded.append)
+    try:
+        assert _ask(w, "v", b"v|a")["ok"]
+        stale = agent.challenges["v"]
+        assert _ask(w, "v", b"v|b")["ok"]
+        assert w(ww.proof_msg("v", agent.challenges["v"])) == {"ok": True}
+        _proven(agent, w, "w")  # evicts sink v; its first request still waits
+        assert "v" not in unloaded
+        assert not w(ww.proof_msg("v", stale))["ok"]
+        assert "v" in unloaded
+    finally:
+        w.close()

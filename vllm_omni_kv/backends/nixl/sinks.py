@@ -113,11 +113,14 @@ class Sinks:
             if entry is None or entry.name != name or entry.deadline < time.monotonic():
                 return _refused("no such challenge")
             del self._pending[challenge]
-            if self._loaded.get(name) != entry.md:
-                return _refused("the agent's metadata changed since the challenge: ask again")
-            self._sinks[name] = Sink(entry.spans, challenge)
-            self._sinks.move_to_end(name)
+            changed = self._loaded.get(name) != entry.md
+            if not changed:
+                self._sinks[name] = Sink(entry.spans, challenge)
+                self._sinks.move_to_end(name)
             evicted = self._sinks.popitem(last=False)[0] if len(self._sinks) > MAX_SINKS else None
+        if changed:  # its metadata goes too unless another request for the name waits
+            self._unload_unknown(name)
+            return _refused("the agent's metadata changed since the challenge: ask again")
         if evicted is not None:
             self._drop_lists(evicted)
             self._unload_unknown(evicted)
