@@ -17,7 +17,7 @@ Span = tuple[int, int, str, int]
 Kind = tuple[str, int]
 
 
-def memory_of(device: str) -> tuple[str, int]:
+def memory_of(device: str) -> Kind:
     """NIXL's ``(memory type, device id)`` of a torch device string (``cpu``, ``cuda:N``;
     ``cuda`` is the current device, as for torch)."""
     d = canonical_device(device)
@@ -39,7 +39,7 @@ def use_device(kind: Kind) -> None:
         bind_device(torch.device("cuda", kind[1]))
 
 
-def kind_of(spans: list[Span], addr: int, n: int) -> tuple[str, int] | None:
+def kind_of(spans: list[Span], addr: int, n: int) -> Kind | None:
     """The memory type and device of the registered range holding ``[addr, addr+n)``."""
     for base, size, mem, dev in spans:
         if base <= addr and addr + n <= base + size:
@@ -47,7 +47,7 @@ def kind_of(spans: list[Span], addr: int, n: int) -> tuple[str, int] | None:
     return None
 
 
-def tables_kind(spans: list[Span], tables: tuple[PageTable, ...]) -> tuple[str, int] | None:
+def tables_kind(spans: list[Span], tables: tuple[PageTable, ...]) -> Kind | None:
     """The one memory type and device holding every table (None: not all registered, or
     in memory of several kinds)."""
     kinds = {kind_of(spans, *t.extent) for t in tables}

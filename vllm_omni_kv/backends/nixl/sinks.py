@@ -95,8 +95,10 @@ class Sinks:
                     return _refused("a proven sink's metadata changes only with its token")
                 self._load(name, md, digest)
             with self._lock:
-                self._pending[challenge] = _Pending(name, spans, digest, self._deadline())
-                stale = self._pending.popitem(last=False)[1] if self._over() else None
+                deadline = time.monotonic() + PENDING_S
+                self._pending[challenge] = _Pending(name, spans, digest, deadline)
+                over = len(self._pending) > MAX_PENDING
+                stale = self._pending.popitem(last=False)[1] if over else None
         if stale is not None:
             self._unload_unknown(stale.name)
         try:
@@ -125,12 +127,6 @@ class Sinks:
             self._drop_lists(evicted)
             self._unload_unknown(evicted)
         return {"ok": True}
-
-    def _deadline(self) -> float:
-        return time.monotonic() + PENDING_S
-
-    def _over(self) -> bool:
-        return len(self._pending) > MAX_PENDING
 
     def _load(self, name: str, md: bytes, digest: bytes) -> None:
         """Load ``md`` (it must name ``name``); lists made over what it replaces go."""
