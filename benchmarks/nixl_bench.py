@@ -11,13 +11,19 @@ copy is a device-to-device ``copy_``; ``make gpu-check`` runs it with ``UCX_TLS`
 set (the JSON records ``UCX_TLS``). Without matplotlib no plot is drawn.
 
 A sender process runs a ``NixlPullConnector`` (role sender); this process runs a receiver
-connector and, beside it, a bare NIXL agent. Each repeat: the sender ``put``\\ s a
-frame (a dict holding one uint8 tensor: packed into its registered pool with xxh3
-digests, timed in the sender); the bare agent reads the frame's bytes straight out of
-the sender's pool with one NIXL ``READ`` (``raw``: the engine's own limit, nothing of
-ours); then the receiver ``get``\\ s it (lease over the side channel, ranged pulls,
-checksum verification, release). A ``memcpy`` of the same bytes (torch ``copy_``)
-gives the machine's copy speed. Rows report medians after one warm-up.
+connector and, beside it, a bare NIXL agent; the sender process has a bare agent too,
+with the sender's pool registered. Each repeat: the sender ``put``\\ s a frame (a dict
+holding one uint8 tensor: packed into its registered pool with xxh3 digests, timed in
+the sender); this bare agent reads the frame's bytes straight out of the sender's pool
+with one NIXL ``READ`` (``raw``), and the sender's bare agent WRITEs the same bytes
+from its pool into this agent's buffer with one NIXL ``WRITE`` (``raw_write``, timed
+in the sender until NIXL reports it done): NIXL's own transfers, nothing of ours. The
+faster of the two is NIXL's best (``raw_best_ms``), which the target (``pull_vs_best``)
+is against: with device pools UCX may serve a READ of VRAM over TCP and a WRITE over
+``cuda_ipc``. Then the receiver ``get``\\ s it (lease over the side channel, the pull in
+the configured direction, checksum verification, release). A ``memcpy`` of the same
+bytes (torch ``copy_``) gives the machine's copy speed. Rows report medians after one
+warm-up.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ import torch
 
 from vllm_omni_kv.backends.nixl.connector import NixlPullConnector
 from vllm_omni_kv.backends.nixl.handshake import MD_OP
-from vllm_omni_kv.backends.nixl.loader import import_nixl
+from vllm_omni_kv.backends.nixl.loader import import_nixl, make_agent
 from vllm_omni_kv.backends.pull.side_channel import SideChannelClient
 
 RESULTS = Path(__file__).parent / "results"
@@ -65,61 +71,96 @@ def _sync(device: str) -> None:
 
 
 def sender_main(conn: Connection, pool: int, device: str = "cpu") -> None:
-    """Child: a sender connector; ``("put", key, nbytes)`` -> ``(meta, put_seconds)``."""
+    """Child: a sender connector; ``("put", key, nbytes)`` -> ``(meta, put_seconds)``;
+    ``("raw_write", peer_md, dst, src, n)`` -> seconds of one bare-agent WRITE."""
     c = NixlPullConnector(_config("sender", pool, device))
+    # a bare agent with the sender's own pool registered: NIXL's WRITE of the same bytes
+    raw = RawAgent("bench-raw-writer", c.base_ptr, c.pool.size, device)
     conn.send({"host": c.host, "port": c.zmq_port})
     while True:
         msg = conn.recv()
         if msg[0] == "exit":
             break
+        if msg[0] == "raw_write":  # its failure is a reply: the pull rows still count
+            try:
+                conn.send(raw.transfer("WRITE", *msg[1:]))
+            except Exception as e:
+                conn.send(f"{type(e).__name__}: {e}")
+            continue
         _op, key, nbytes = msg
         data = {"kv": torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)}
         _sync(device)
         t0 = time.perf_counter()
         ok, size, meta = c.put("0", "1", key, data)
         conn.send((meta, time.perf_counter() - t0, size, ok))
+    raw.close()
     c.close()
 
 
+class RawAgent:
+    """A bare NIXL agent with one registered range: the engine's own transfers, nothing
+    of ours. Its peer is another bare agent (named by its metadata) or a sender
+    connector's agent."""
+
+    def __init__(self, name: str, addr: int, size: int, device: str = "cpu") -> None:
+        agent_cls, config_cls, _thread_sync = import_nixl()
+        # the connectors' progress-thread setting: NIXL's own spins a core per agent
+        self.agent = make_agent(agent_cls, name, config_cls(backends=["UCX"]))
+        # both pools live on the same kind of memory (``--device``), the current device
+        self.mem, self.dev = (
+            ("VRAM", torch.cuda.current_device()) if device == "cuda" else ("DRAM", 0)
+        )
+        self.reg = self.agent.register_memory([(addr, size, self.dev, "")], self.mem)
+        self.peers: dict[bytes, str] = {}
+
+    def metadata(self) -> bytes:
+        return bytes(self.agent.get_agent_metadata())
+
+    def transfer(self, op: str, peer_md: bytes, remote: int, local: int, n: int) -> float:
+        """Seconds of one ``op`` (READ or WRITE) of ``n`` bytes between ``local`` (ours)
+        and ``remote`` (the peer's); RuntimeError when it fails or outlasts the limit."""
+        if peer_md not in self.peers:
+            self.peers[peer_md] = self.agent.add_remote_agent(peer_md)
+        peer = self.peers[peer_md]
+        t0 = time.perf_counter()
+        mine = self.agent.get_xfer_descs([(local, n, self.dev)], self.mem)
+        theirs = self.agent.get_xfer_descs([(remote, n, self.dev)], self.mem)
+        h = self.agent.initialize_xfer(op, mine, theirs, peer)
+        state = self.agent.transfer(h)
+        while state == "PROC" and time.perf_counter() - t0 < RAW_TIMEOUT_S:
+            state = self.agent.check_xfer_state(h)
+        dt = time.perf_counter() - t0
+        h.release()  # aborts one still running
+        if state != "DONE":
+            raise RuntimeError(f"raw NIXL {op} failed: {state} after {dt:.1f}s")
+        return dt
+
+    def close(self) -> None:
+        self.agent.deregister_memory(self.reg)
+
+
 class RawReader:
-    """A bare NIXL agent reading a sender's pool (the engine's own transfer, nothing of ours)."""
+    """The bench's bare agent: it READs a sender's pool, and a sender's bare agent
+    WRITEs into its buffer (the same bytes, the other direction)."""
 
     def __init__(self, nbytes: int, device: str = "cpu") -> None:
-        agent_cls, config_cls, _thread_sync = import_nixl()
-        self.agent = agent_cls("bench-raw", config_cls(backends=["UCX"]))
         self.buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        # both pools live on the same kind of memory (``--device``), device 0
-        self.mem, self.dev = (
-            ("VRAM", self.buf.device.index or 0) if device == "cuda" else ("DRAM", 0)
-        )
-        desc = [(self.buf.data_ptr(), nbytes, self.dev, "")]
-        self.reg = self.agent.register_memory(desc, self.mem)
-        self.peers: dict[str, str] = {}
+        self.raw = RawAgent("bench-raw", self.buf.data_ptr(), nbytes, device)
+        self.md = self.raw.metadata()
+        self.sender_md: dict[str, bytes] = {}
 
     def read(self, endpoint: str, agent_name: str, src: int, n: int) -> float:
-        if agent_name not in self.peers:
+        if agent_name not in self.sender_md:
             client = SideChannelClient(5.0)
             try:
                 md = client.request(endpoint, {"op": MD_OP})
             finally:
                 client.close()
-            self.peers[agent_name] = self.agent.add_remote_agent(bytes(md["metadata"]))
-        t0 = time.perf_counter()
-        local = self.agent.get_xfer_descs([(self.buf.data_ptr(), n, self.dev)], self.mem)
-        remote = self.agent.get_xfer_descs([(src, n, self.dev)], self.mem)
-        h = self.agent.initialize_xfer("READ", local, remote, agent_name)
-        state = self.agent.transfer(h)
-        while state == "PROC" and time.perf_counter() - t0 < RAW_TIMEOUT_S:
-            state = self.agent.check_xfer_state(h)
-        dt = time.perf_counter() - t0
-        if state != "DONE":
-            h.release()  # aborts one still running
-            raise RuntimeError(f"raw NIXL read failed: {state} after {dt:.1f}s")
-        h.release()
-        return dt
+            self.sender_md[agent_name] = bytes(md["metadata"])
+        return self.raw.transfer("READ", self.sender_md[agent_name], src, self.buf.data_ptr(), n)
 
     def close(self) -> None:
-        self.agent.deregister_memory(self.reg)
+        self.raw.close()
 
 
 def _memcpy_s(nbytes: int, device: str = "cpu") -> float:
@@ -148,6 +189,39 @@ def _recv(conn: Any, proc: Any) -> Any:
     return conn.recv()
 
 
+#: the timed steps of each repeat
+SAMPLES = ("put", "pull", "raw", "raw_write", "memcpy")
+
+
+def _row(nbytes: int, frame: int, med: dict[str, float], repeats: int) -> dict[str, Any]:
+    """One size's row from the medians (seconds); the target is against NIXL's best."""
+    best = min(med["raw"], med.get("raw_write", med["raw"]))
+    gbps = {k: frame / v / 1e9 for k, v in med.items()}
+    write_ms = med["raw_write"] * 1e3 if "raw_write" in med else None
+    aimed = nbytes >= TARGET[0] * MIB
+    return {
+        "mib": nbytes // MIB,
+        "frame_bytes": frame,
+        "put_ms": med["put"] * 1e3,
+        "pull_ms": med["pull"] * 1e3,
+        "put_pull_ms": (med["put"] + med["pull"]) * 1e3,
+        "raw_nixl_ms": med["raw"] * 1e3,
+        "raw_write_ms": write_ms,  # None: the raw WRITE failed (``raw_write_error``)
+        "raw_best_ms": best * 1e3,
+        "memcpy_ms": med["memcpy"] * 1e3,
+        "pull_gbps": gbps["pull"],
+        "raw_nixl_gbps": gbps["raw"],
+        "raw_write_gbps": gbps.get("raw_write"),
+        "memcpy_gbps": gbps["memcpy"],
+        "pull_vs_raw": med["raw"] / med["pull"],
+        "pull_vs_best": best / med["pull"],
+        "put_pull_vs_raw": med["raw"] / (med["put"] + med["pull"]),
+        "target": TARGET[1] if aimed else None,
+        "meets_target": best / med["pull"] >= TARGET[1] if aimed else None,
+        "repeats": repeats,
+    }
+
+
 def run(
     sizes: list[int], repeats: int, device: str = "cpu", direction: str = "auto"
 ) -> dict[str, Any]:
@@ -167,14 +241,19 @@ def run(
         raw = RawReader(pool, device)
         try:
             for nbytes in sizes:
-                samples: dict[str, list[float]] = {"put": [], "pull": [], "raw": [], "memcpy": []}
-                frame = 0
+                samples: dict[str, list[float]] = {k: [] for k in SAMPLES}
+                frame, write_error = 0, None
                 for rep in range(repeats + 1):
                     parent.send(("put", f"b{nbytes}-{rep}", nbytes))
                     meta, put_s, frame, ok = _recv(parent, proc)
                     assert ok
                     agent_name = str(meta["session"]).rpartition("@")[0]
-                    raw_s = raw.read(endpoint, agent_name, int(meta["src_addr"]), frame)
+                    src = int(meta["src_addr"])
+                    raw_s = raw.read(endpoint, agent_name, src, frame)
+                    parent.send(("raw_write", raw.md, raw.buf.data_ptr(), src, frame))
+                    write_s = _recv(parent, proc)
+                    if isinstance(write_s, str):
+                        write_error = write_s
                     t0 = time.perf_counter()
                     got = receiver.get("0", "1", f"b{nbytes}-{rep}", meta)
                     pull_s = time.perf_counter() - t0
@@ -184,32 +263,11 @@ def run(
                         samples["put"].append(put_s)
                         samples["pull"].append(pull_s)
                         samples["raw"].append(raw_s)
+                        if not isinstance(write_s, str):
+                            samples["raw_write"].append(write_s)
                         samples["memcpy"].append(_memcpy_s(frame, device))
-                med = {k: statistics.median(v) for k, v in samples.items()}
-                gbps = {k: frame / v / 1e9 for k, v in med.items()}
-                rows.append(
-                    {
-                        "mib": nbytes // MIB,
-                        "frame_bytes": frame,
-                        "put_ms": med["put"] * 1e3,
-                        "pull_ms": med["pull"] * 1e3,
-                        "put_pull_ms": (med["put"] + med["pull"]) * 1e3,
-                        "raw_nixl_ms": med["raw"] * 1e3,
-                        "memcpy_ms": med["memcpy"] * 1e3,
-                        "pull_gbps": gbps["pull"],
-                        "raw_nixl_gbps": gbps["raw"],
-                        "memcpy_gbps": gbps["memcpy"],
-                        "pull_vs_raw": med["raw"] / med["pull"],
-                        "put_pull_vs_raw": med["raw"] / (med["put"] + med["pull"]),
-                        "target": TARGET[1] if nbytes >= TARGET[0] * MIB else None,
-                        "meets_target": (
-                            med["raw"] / med["pull"] >= TARGET[1]
-                            if nbytes >= TARGET[0] * MIB
-                            else None
-                        ),
-                        "repeats": repeats,
-                    }
-                )
+                med = {k: statistics.median(v) for k, v in samples.items() if v}
+                rows.append({**_row(nbytes, frame, med, repeats), "raw_write_error": write_error})
                 print(json.dumps(rows[-1]), flush=True)
         finally:
             raw.close()
@@ -254,15 +312,16 @@ def plot(result: dict[str, Any], path: Path) -> bool:
     rows = result["rows"]
     labels = [f"{r['mib']} MiB" for r in rows]
     x = range(len(rows))
-    w = 0.2
     fig, ax = plt.subplots(figsize=(7, 4))
     series = [
         ("memcpy_gbps", "memcpy (same bytes)"),
         ("raw_nixl_gbps", "raw NIXL READ"),
+        ("raw_write_gbps", "raw NIXL WRITE"),
         ("pull_gbps", "nixl backend pull (get)"),
     ]
+    w = 0.16
     for i, (key, label) in enumerate(series):
-        ax.bar([p + (i - 1) * w for p in x], [r[key] for r in rows], w, label=label)
+        ax.bar([p + (i - 2) * w for p in x], [r[key] or 0 for r in rows], w, label=label)
     put_pull = [r["frame_bytes"] / (r["put_pull_ms"] / 1e3) / 1e9 for r in rows]
     ax.bar([p + 2 * w for p in x], put_pull, w, label="nixl backend put + pull")
     ax.set_xticks(list(x), labels)

@@ -7,6 +7,7 @@ every pull go over real NIXL agents (UCX) and a real ZMQ side channel.
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import os
 import socket
@@ -284,6 +285,38 @@ def test_a_process_that_used_nixl_exits_cleanly() -> None:
     env = {k: v for k, v in os.environ.items() if k != "UCX_MODULES"}
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=120)
     assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+
+
+_IDLE = """
+import json, sys, time
+import torch
+from vllm_omni_kv.backends.nixl.connector import NixlPullConnector
+base = json.loads(sys.argv[1])
+s = NixlPullConnector({**base, "role": "sender"})
+r = NixlPullConnector({**base, "role": "receiver"})
+_ok, _n, meta = s.put("0", "1", "k", {"t": torch.arange(1 << 16)})
+got = r.get("0", "1", "k", meta)
+assert got is not None and torch.equal(got[0]["t"], torch.arange(1 << 16))
+time.sleep(0.5)
+t0, c0 = time.monotonic(), time.process_time()
+time.sleep(1.5)
+print(json.dumps({"cpu_s": time.process_time() - c0, "wall_s": time.monotonic() - t0}))
+r.close()
+s.close()
+"""
+
+
+def test_idle_agents_do_not_spin_a_core() -> None:
+    """NIXL's Python API starts each agent's UCX progress thread with a zero poll
+    timeout: it spun a whole core per agent while idle. Two idle connectors that have
+    moved a payload use a small fraction of one core between moves."""
+    cfg = {k: v for k, v in nixl_config("sender", pool_mib=8).items() if k != "role"}
+    r = subprocess.run(
+        [sys.executable, "-c", _IDLE, json.dumps(cfg)], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    idle = json.loads(r.stdout.strip().splitlines()[-1])
+    assert idle["cpu_s"] < 0.2 * idle["wall_s"], idle  # spinning: 2 CPU-seconds a second
 
 
 def test_a_cache_registered_after_the_handshake_is_pulled_after_reloading() -> None:

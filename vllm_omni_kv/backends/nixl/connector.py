@@ -14,7 +14,9 @@ Config keys: those of the pull connector (``role``, ``host``, ``zmq_port``,
 ``transfer_timeout_s``, ``side_channel_timeout_s``, ``get_timeout_s``,
 ``raise_on_timeout``, ``lease_slack_s``, ``frame_checksum``, ``require_digests``, ``sender_host`` /
 ``sender_zmq_port``, ``auth_key_file``) plus ``nixl_backends`` (default ``["UCX"]``),
-``nixl_num_threads`` (UCX worker threads, 0 = NIXL's default),
+``nixl_num_threads`` (UCX worker threads, 0 = NIXL's default), ``nixl_progress_wait_us``
+(the longest NIXL's progress thread sleeps between UCX events, default 1000; 0 = NIXL's
+Python default, a progress thread that spins on a core; see :func:`.loader.make_agent`),
 ``handshake_timeout_s`` (per try, default ``side_channel_timeout_s``) and
 ``handshake_retries`` (default 1), ``nixl_direction`` (``auto``: the producer WRITEs where
 the memory read would be a GPU's, since UCX may serve a READ of it by TCP; ``read``;
@@ -39,6 +41,7 @@ from typing import Any, ClassVar
 
 from vllm_omni_kv.backends.nixl.engine import DIRECTIONS, NixlEngine
 from vllm_omni_kv.backends.nixl.handshake import MD_OP
+from vllm_omni_kv.backends.nixl.loader import PROGRESS_WAIT_US
 from vllm_omni_kv.backends.nixl.write_wire import WRITE_OPS
 from vllm_omni_kv.backends.pull.cache_region import CacheRegionConnector
 from vllm_omni_kv.backends.pull.pull import EngineAdapter
@@ -51,7 +54,10 @@ class NixlPullConnector(CacheRegionConnector):
 
     backend_name = "nixl"
     CONFIG_KEYS: ClassVar[frozenset[str]] = CacheRegionConnector.CONFIG_KEYS | frozenset(
-        "nixl_backends nixl_num_threads handshake_timeout_s handshake_retries nixl_direction".split()
+        (
+            "nixl_backends nixl_num_threads handshake_timeout_s handshake_retries nixl_direction "
+            "nixl_progress_wait_us"
+        ).split()
     )
 
     def __init__(self, config: dict[str, Any] | None = None) -> None:
@@ -69,15 +75,16 @@ class NixlPullConnector(CacheRegionConnector):
             hs_timeout = float(cfg.get("handshake_timeout_s", self.side_channel_timeout_s))
             hs_retries = int(cfg.get("handshake_retries", 1))
             threads = int(cfg.get("nixl_num_threads", 0))
+            wait_us = int(cfg.get("nixl_progress_wait_us", PROGRESS_WAIT_US))
         except (TypeError, ValueError) as e:
             raise ConfigError(f"NixlPullConnector: bad numeric setting: {e}") from None
         direction = str(cfg.get("nixl_direction", "auto"))
         if direction not in DIRECTIONS:
             raise ConfigError(f"nixl_direction must be one of {DIRECTIONS}, got {direction!r}")
-        if not backends or hs_timeout <= 0 or hs_retries < 0:
+        if not backends or hs_timeout <= 0 or hs_retries < 0 or wait_us < 0:
             raise ConfigError(
-                "NixlPullConnector needs nixl_backends (e.g. ['UCX']), handshake_timeout_s > 0 "
-                "and handshake_retries >= 0"
+                "NixlPullConnector needs nixl_backends (e.g. ['UCX']), handshake_timeout_s > 0, "
+                "handshake_retries >= 0 and nixl_progress_wait_us >= 0"
             )
         self._nixl = NixlEngine(
             device=self.pool_device,
@@ -88,6 +95,7 @@ class NixlPullConnector(CacheRegionConnector):
             handshake_retries=hs_retries,
             auth=self.auth,
             direction=direction,
+            progress_wait_us=wait_us,
         )
         return self._nixl
 

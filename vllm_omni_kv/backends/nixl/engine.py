@@ -38,7 +38,7 @@ import numpy as np
 
 from vllm_omni_kv.backends.nixl.backoff import Backoff
 from vllm_omni_kv.backends.nixl.handshake import ask_metadata, load_peer, log_peer
-from vllm_omni_kv.backends.nixl.loader import import_nixl
+from vllm_omni_kv.backends.nixl.loader import PROGRESS_WAIT_US, import_nixl, make_agent
 from vllm_omni_kv.backends.nixl.memory import (
     Span,
     kind_of,
@@ -96,6 +96,7 @@ class NixlEngine:
         handshake_retries: int = 1,
         auth: AuthKey | None = None,
         direction: str = "auto",
+        progress_wait_us: int = PROGRESS_WAIT_US,
     ) -> None:
         agent_cls, config_cls, sync_t = import_nixl()
         self.name = f"omnikv-{uuid.uuid4().hex[:16]}"
@@ -112,7 +113,7 @@ class NixlEngine:
             sync_mode=sync_t.NIXL_THREAD_SYNC_RW,
         )
         try:
-            self.agent: Any = agent_cls(self.name, conf)
+            self.agent: Any = make_agent(agent_cls, self.name, conf, progress_wait_us)
         except Exception as e:
             raise BackendUnavailable(
                 f"NIXL agent with backends {list(backends)} could not start: {e}"
