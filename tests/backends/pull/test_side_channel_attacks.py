@@ -162,6 +162,36 @@ def test_a_flood_of_peers_and_max_size_messages_keeps_the_sender_small_and_servi
         legit.close()
 
 
+#: what a sender may keep after each further flood of the same shape (its memory after a
+#: first flood is reused, so a leak of even 64 bytes per request shows over 3 floods)
+LEAK_BOUND = 6 << 20
+
+
+def test_repeated_floods_leave_the_sender_no_larger_than_the_first(tmp_path: Path) -> None:
+    """The first flood settles the allocator's arenas; the sender's resident memory after
+    three more floods of the same shape, each followed by the peers leaving, stays within
+    :data:`LEAK_BOUND` of that. A per-message or per-connection leak grows with the
+    messages sent (tens of thousands per flood)."""
+    proc, endpoint = _sender(None)
+    try:
+        pid = proc.proc.pid
+        assert pid is not None
+        resident, sent = [], []
+        for _ in range(4):
+            flood = _flood(endpoint, MAX_PEERS + 144, 1.5, _max_size_payloads(), tmp_path)
+            sent.append(json.loads(flood.communicate(timeout=30)[0])["sent"])
+            assert wait_until(lambda: proc.call(op="health")["health"]["peers"] == 0, 10)
+            resident.append(_memory(pid)["VmRSS"])
+        grown = max(resident[1:]) - resident[0]
+        assert grown < LEAK_BOUND, (
+            f"{grown / 2**20:.1f} MiB kept after {sum(sent[1:])} more requests: "
+            f"{[r >> 20 for r in resident]} MiB"
+        )
+        assert min(sent) > 4 * MAX_PEERS, sent
+    finally:
+        proc.stop()
+
+
 def test_a_flood_of_releases_never_makes_acquires_busy(
     slow: tuple[SenderProcess, str], tmp_path: Path
 ) -> None:
