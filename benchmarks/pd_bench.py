@@ -9,7 +9,9 @@ invocation, engines in subprocesses (at most two at a time):
 * ``colocated``: one engine prefills and decodes;
 * ``omnikv_<backend>``: a producer prefills (``max_tokens=1``, ``do_remote_decode``),
   a consumer generates with the transferred KV (``shm``: one copy from the producer's
-  cache, the default; ``shm_packed``: ``share_cache: false``, packed frames);
+  cache, the default; ``shm_packed``: ``share_cache: false``, packed frames;
+  ``mooncake`` and ``nixl``: pulled over TCP loopback; ``nixl_spin``: the same with
+  ``nixl_progress_wait_us: 0``, NIXL's own busy-polling progress threads);
 * ``example_connector``: vLLM's built-in ``ExampleConnector`` (safetensors files in
   a directory under /tmp, its default storage).
 
@@ -30,12 +32,15 @@ consumer with prefix caching on loads prompts cold, then prompts whose first 60%
 holds, and the bytes moved per loaded token of the two rounds are compared.
 
     python benchmarks/pd_bench.py            # writes benchmarks/results/pd_bench.{json,png}
+    python benchmarks/pd_bench.py --backends nixl,nixl_spin --skip prefix,example \\
+        --name pd_bench_nixl                 # NIXL with and without spinning progress threads
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import importlib.util
 import json
 import os
 import shutil
@@ -185,6 +190,15 @@ def _omnikv_configs(
             "backend_extra": {**common, "role": "sender", "zmq_port": free_port()},
         }
         cextra = {"backend": "mooncake", "backend_extra": {**common, "role": "receiver"}}
+    elif backend in ("nixl", "nixl_spin"):  # nixl_spin: NIXL's own busy-polling progress
+        common = {"host": "127.0.0.1", "memory_pool_size": 2 << 30}  # thread, for contrast
+        if backend == "nixl_spin":
+            common["nixl_progress_wait_us"] = 0
+        pextra = {
+            "backend": "nixl",
+            "backend_extra": {**common, "role": "sender", "zmq_port": free_port()},
+        }
+        cextra = {"backend": "nixl", "backend_extra": {**common, "role": "receiver"}}
     elif backend == "shm_packed":  # the two-copy path: frames packed by the producer
         pextra = cextra = {"backend": "shm", "backend_extra": {"share_cache": False}}
     else:  # "shm": pages copied from the producer's cache (the default)
@@ -464,12 +478,17 @@ def main(argv: list[str] | None = None) -> None:
         "--dtype", default="auto", help="model dtype; auto: bfloat16 where the CPU has it natively"
     )
     ap.add_argument("--repeats", type=int, default=3, help="measured runs (median reported)")
-    ap.add_argument("--backends", default="shm,mooncake", help="OmniKV backends to run")
+    ap.add_argument(
+        "--backends",
+        default="shm,mooncake",
+        help="OmniKV backends to run: shm, shm_packed, mooncake, nixl, nixl_spin",
+    )
     ap.add_argument(
         "--transfer-cpus", default="auto", help="OmniKV transfer_cpus (auto, inherit, a list)"
     )
     ap.add_argument("--skip", default="", help="comma list of: colocated,omnikv,prefix,example")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    ap.add_argument("--name", default="pd_bench", help="file name of the JSON and PNG")
     a = ap.parse_args(argv)
 
     from transformers import AutoTokenizer
@@ -538,12 +557,12 @@ def main(argv: list[str] | None = None) -> None:
         )
     if "omnikv" not in skip:
         for backend in filter(None, a.backends.split(",")):
-            if backend == "mooncake":
-                try:
-                    import mooncake.engine  # noqa: F401
-                except ImportError:
-                    print("mooncake: transfer engine not importable, skipped")
-                    continue
+            if backend == "mooncake" and importlib.util.find_spec("mooncake") is None:
+                print("mooncake: transfer engine not importable, skipped")
+                continue
+            if backend.startswith("nixl") and importlib.util.find_spec("nixl") is None:
+                print(f"{backend}: nixl not importable, skipped")
+                continue
             key = f"omnikv_{backend}"
             results[key] = run_omnikv(
                 base, backend, prompts, a.output_tokens, env, log_dir, a.repeats, a.transfer_cpus
@@ -607,15 +626,15 @@ def main(argv: list[str] | None = None) -> None:
         "prefix_hits": prefix,
         "summary": summary,
     }
-    (a.out / "pd_bench.json").write_text(json.dumps(report, indent=2))
+    (a.out / f"{a.name}.json").write_text(json.dumps(report, indent=2))
     _plot(
         report["results"],
-        a.out / "pd_bench.png",
+        a.out / f"{a.name}.png",
         f"{a.prompts} prompts x {a.prompt_tokens} tokens, {a.output_tokens} output tokens; "
         f"{a.layers} layers, {a.kv_heads} KV heads x {a.head_dim}, {a.dtype}; {os.cpu_count()} CPUs",
     )
     print(json.dumps(report["summary"], indent=2))
-    print(f"wrote {a.out / 'pd_bench.json'} and {a.out / 'pd_bench.png'}")
+    print(f"wrote {a.out / a.name}.json and .png")
 
 
 if __name__ == "__main__":
