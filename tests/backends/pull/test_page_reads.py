@@ -7,7 +7,8 @@ Mooncake TCP on 127.0.0.1, both in this process) move 4, 64 and 1,024 shuffled p
 layer; the receiver's transport object is wrapped to count its calls. NIXL posts one
 transfer per move, made by index into two prepared lists (prepared on the first move
 only); Mooncake posts one batch per 2,048 ranges (its limit). The pages are compared
-with the sender's with ``torch.equal``.
+with the sender's with ``torch.equal``. A packed frame's pull is two transfers at any
+size: its head and digest trailer, then its body.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import random
+import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -271,3 +273,43 @@ def test_the_transport_is_on_record(pair: Pair, caplog: pytest.LogCaptureFixture
     said = [r.getMessage() for r in caplog.records if "NIXL peer" in r.getMessage()]
     assert len(said) == 1, said
     assert "its memory ['DRAM:0']" in said[0] and "over UCX" in said[0], said
+
+
+def _posts(calls: Counter) -> int:
+    """Transfers the engine was asked to post (NIXL: ``transfer``; Mooncake: its sync
+    reads, one range or a batch)."""
+    return sum(v for k, v in calls.items() if k == "transfer" or k.endswith("transfer_sync_read"))
+
+
+def test_a_frame_is_pulled_in_two_transfers_at_any_size(pair: Pair) -> None:
+    """A packed frame's pull: its prelude, header and digest trailer (first and last bytes)
+    in one transfer when the stream opens, its body in one more when it loads; the same
+    two at 256 KiB and 4 MiB."""
+    engine = pair.receiver.engine
+    nixl = hasattr(engine, "agent")
+    inner = Counting(engine.agent if nixl else engine.engine)
+    if nixl:
+        engine.agent = inner
+    else:
+        engine.engine = inner
+    opened, pulled = {}, {}
+    try:
+        for mib4 in (1, 16):  # quarter MiB
+            data = {"kv": torch.randint(0, 1 << 30, (mib4 << 16,), dtype=torch.int32)}
+            key = f"frame-{mib4}"
+            _ok, _size, meta = pair.sender.put(FROM, TO, key, data)
+            inner.calls.clear()
+            stream = pair.receiver.open_stream(FROM, TO, key, meta)
+            assert stream is not None
+            with stream:
+                opened[mib4] = _posts(inner.calls)
+                for _ in stream.load(None, time.monotonic() + 20):
+                    pass
+                assert torch.equal(stream.obj["kv"], data["kv"])
+            pulled[mib4] = _posts(inner.calls)
+    finally:
+        if nixl:
+            engine.agent = inner.inner
+        else:
+            engine.engine = inner.inner
+    assert opened == {1: 1, 16: 1} and pulled == {1: 2, 16: 2}, (opened, pulled)

@@ -1,8 +1,9 @@
 """Receive streams of the pull connector: ranged engine reads into a local pool block.
 
-:class:`PullFrameStream` pulls a frame's prelude, header and digest trailer when
-it opens, then ``load(spans)`` pulls only the chunk-aligned byte ranges covering
-``spans`` (one engine read per merged range) and verifies each chunk before it is
+:class:`PullFrameStream` pulls a frame's prelude, header and digest trailer when it opens
+(its first and last bytes, in one transfer), then ``load(spans)`` pulls only the
+chunk-aligned byte ranges covering ``spans`` (one engine read per merged range) and
+verifies each chunk before it is
 handed out (xxh3 digests of frames packed on the host, linear digests of frames packed
 on a device; a frame without digests is refused unless the receiver sets
 ``require_digests: false``). ``moved`` counts the bytes pulled. The local block is sized for the
@@ -36,6 +37,9 @@ from vllm_omni_kv.wire.stream import ALL_READY, ChunkedStream, PayloadStream, Sp
 SMALL_FRAME = 64 << 10
 #: the first read of a larger frame: prelude and (usually all of) the header
 HEAD_PULL = 16 << 10
+#: read with the head, in the same transfer: the frame's last bytes, which hold its digest
+#: trailer (8 bytes per chunk: 4,096 chunks, 1 GiB of 256 KiB chunks; keyed frames less)
+TAIL_PULL = 32 << 10
 
 
 class Lease:
@@ -116,12 +120,13 @@ class PullFrameStream(ChunkedStream):
             mv = memoryview(view).cast("B")
             self._mv = mv
             have = size if size <= SMALL_FRAME else min(size, HEAD_PULL)
-            self._pull(0, have, deadline, cancel)
+            tail = max(have, size - TAIL_PULL)  # [tail, size) comes with the head
+            self._pull_ranges([(0, have), (tail, size)], deadline, cancel)
             p = codec.read_prelude(mv, size)
             if p.data_start > have:
                 self._pull(have, p.data_start, deadline, cancel)
                 have = p.data_start
-            if p.total > have:
+            if p.total > have and not tail <= p.trailer_start <= p.total <= size:
                 self._pull(max(have, p.trailer_start), p.total, deadline, cancel)
             self._whole = have >= p.total
             info = codec.parse(mv, size, verify_head=True, require_checksum=puller.require_digests)
@@ -144,21 +149,26 @@ class PullFrameStream(ChunkedStream):
         when_reads_end(reads, self._local.release)
 
     def _pull(self, start: int, end: int, deadline: float, cancel: threading.Event | None) -> None:
-        if end <= start:
+        self._pull_ranges([(start, end)], deadline, cancel)
+
+    def _pull_ranges(
+        self, ranges: list[tuple[int, int]], deadline: float, cancel: threading.Event | None
+    ) -> None:
+        """Pull the frame's byte ranges ``[start, end)`` as one engine transfer."""
+        reads = [(self._base + a, self._src + a, b - a) for a, b in ranges if b > a]
+        if not reads:
             return
         self._reads = [f for f in self._reads if not f.done()]
-        self._puller.read(
+        self._puller.read_many(
             self._session,
-            self._base + start,
-            self._src + start,
-            end - start,
+            reads,
             deadline,
-            cancel,
+            cancel=cancel,
             what=self._what,
             keep=self._view,
             track=self._reads,
         )
-        self.moved += end - start
+        self.moved += sum(n for _l, _r, n in reads)
 
     def _wait(
         self, start: int, need: int, end: int, deadline: float, cancel: threading.Event | None

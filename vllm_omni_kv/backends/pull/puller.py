@@ -168,6 +168,7 @@ class Puller:
         reads: list[tuple[int, int, int]],
         deadline: float,
         *,
+        cancel: threading.Event | None = None,
         what: str,
         keep: Any = None,
         track: list[cf.Future[None]] | None = None,
@@ -175,7 +176,7 @@ class Puller:
         """``(local, remote, bytes)`` reads from one session as one bounded transfer."""
         n = sum(r[2] for r in reads)
         call = (_engine_read_many, self.read_device(), self.engine, session, reads, keep)
-        self._bounded(call, session, n, deadline, None, what, None, track)
+        self._bounded(call, session, n, deadline, cancel, what, None, track)
 
     def read_pages(
         self,
