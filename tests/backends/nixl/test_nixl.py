@@ -399,3 +399,49 @@ def test_the_handshake_log_names_who_posts_the_moves_out_of_each_memory(
         log_peer("p", ep, spans, ours, "UCX", "write")
     assert "DRAM:0 by its WRITE, VRAM:1 by its WRITE" in caplog.text
     assert "cuda_ipc" not in caplog.text
+
+
+def test_agents_made_at_once_leave_nixls_bindings_as_they_were() -> None:
+    """Agents started by several threads at once (each swaps NIXL's config class for its
+    constructor call) leave the binding module in place, so later agents, ours with
+    ``nixl_progress_wait_us: 0`` and anyone else's, get NIXL's own config."""
+    from vllm_omni_kv.backends.nixl.loader import import_nixl, make_agent
+
+    agent_cls, config_cls, _sync = import_nixl()
+    module = sys.modules[agent_cls.__init__.__module__]
+    real = module.nixlBind
+    agents: list[Any] = []
+
+    def start(i: int) -> None:
+        agents.append(make_agent(agent_cls, f"swap-{i}-{os.getpid()}", config_cls()))
+
+    threads = [threading.Thread(target=start, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(agents) == 4
+    assert module.nixlBind is real
+    cfg = real.nixlAgentConfig()
+    cfg.pthrDelay = 0
+    assert cfg.pthrDelay == 0
+
+
+@pytest.mark.parametrize("bad", [{"data_size": -5}, {"data_size": "64"}, {"src_addr": "zz"}])
+def test_a_hostile_block_address_is_refused_before_any_allocation(
+    receivers: list[NixlPullConnector], bad: dict[str, Any]
+) -> None:
+    """The block a pull names (from ``kv_transfer_params`` or a sender's reply) is checked
+    before the receiver allocates for it: an error, and no receive block kept."""
+    s = _conn("sender")
+    try:
+        _ok, _size, meta = s.put("0", "1", "hostile", {"t": torch.arange(1 << 16)})
+        r = receivers[1]
+        used = r.pool.allocator.used
+        with pytest.raises(KVTransferError, match="not a block"):
+            r.open_stream("0", "1", "hostile", {**meta, **bad})
+        assert r.pool.allocator.used == used
+        got = r.get("0", "1", "hostile", meta)  # the real block is still served
+        assert got is not None and torch.equal(got[0]["t"], torch.arange(1 << 16))
+    finally:
+        s.close()

@@ -7,8 +7,8 @@ Mooncake TCP on 127.0.0.1, both in this process) move 4, 64 and 1,024 shuffled p
 layer; the receiver's transport object is wrapped to count its calls. NIXL posts one
 transfer per move, made by index into two prepared lists (prepared on the first move
 only); Mooncake posts one batch per 2,048 ranges (its limit). The pages are compared
-with the sender's with ``torch.equal``. A packed frame's pull is two transfers at any
-size: its head and digest trailer, then its body.
+with the sender's with ``torch.equal``. A packed frame of tensors is pulled in two
+transfers at any size: its head and digest trailer, then its body.
 """
 
 from __future__ import annotations
@@ -282,7 +282,7 @@ def _posts(calls: Counter) -> int:
 
 
 def test_a_frame_is_pulled_in_two_transfers_at_any_size(pair: Pair) -> None:
-    """A packed frame's pull: its prelude, header and digest trailer (first and last bytes)
+    """A packed frame of tensors: its prelude, header and digest trailer (first and last bytes)
     in one transfer when the stream opens, its body in one more when it loads; the same
     two at 256 KiB and 4 MiB."""
     engine = pair.receiver.engine

@@ -15,8 +15,9 @@ from vllm_omni_kv.logger import init_logger
 
 logger = init_logger(__name__)
 
-#: the longest NIXL's progress thread waits for its UCX workers' events (µs); it wakes
-#: at once on traffic, so this bounds only transports without wake-up events
+#: the longest NIXL's progress thread waits for its UCX workers' events (µs; NIXL's UCX
+#: plugin rounds it up to whole milliseconds); it wakes at once on traffic, so this bounds
+#: only transports without wake-up events
 PROGRESS_WAIT_US = 1000
 
 INSTALL_HINT = "pip install 'vllm-omni-kv[nixl]' (or: pip install nixl)"
@@ -95,17 +96,20 @@ def make_agent(agent_cls: Any, name: str, conf: Any, wait_us: int = PROGRESS_WAI
     inside its constructor, so this passes a subclass of the binding's config class for
     that one call.
     """
-    module = sys.modules.get(getattr(agent_cls, "__module__", ""))
-    real = getattr(module, "nixlBind", None)
-    base = getattr(real, "nixlAgentConfig", None)
-    if wait_us <= 0 or not isinstance(base, type) or "pthrDelay" not in base.__dict__:
-        if wait_us > 0:
-            logger.warning(
-                "this NIXL build's agent config has no progress-thread delay: its progress "
-                "thread busy-polls (a core per agent)"
-            )
-        return agent_cls(name, conf)
-    with _swap_lock:
+    # the module whose globals the constructor reads (a subclass may live elsewhere)
+    module = sys.modules.get(getattr(agent_cls.__init__, "__module__", ""))
+    with _swap_lock:  # every read and swap of the module's bindings under the lock
+        real = getattr(module, "nixlBind", None)
+        if isinstance(real, _Bindings):  # left by a swap outside this lock: the real module
+            real = real._real
+        base = getattr(real, "nixlAgentConfig", None)
+        if wait_us <= 0 or not isinstance(base, type) or "pthrDelay" not in base.__dict__:
+            if wait_us > 0:
+                logger.warning(
+                    "this NIXL build's agent config has no progress-thread delay: its "
+                    "progress thread busy-polls (a core per agent)"
+                )
+            return agent_cls(name, conf)
         module.nixlBind = _Bindings(real, _waiting_config(base, wait_us))  # type: ignore[union-attr]
         try:
             return agent_cls(name, conf)

@@ -31,6 +31,7 @@ from vllm_omni_kv.backends.base import OmniConnectorBase
 from vllm_omni_kv.backends.keys import edge_key, is_request_key
 from vllm_omni_kv.backends.net import local_ip
 from vllm_omni_kv.backends.pool import ManagedBuffer, MemoryPool
+from vllm_omni_kv.backends.pull import pull_stream as ps
 from vllm_omni_kv.backends.pull.exposure import ExposureTable
 from vllm_omni_kv.backends.pull.pull_stream import Lease, LeaseBook, PullFrameStream, RawPullStream
 from vllm_omni_kv.backends.pull.puller import EngineAdapter, Puller, PullFailed, register_memory
@@ -268,13 +269,13 @@ class PullTransferConnector(OmniConnectorBase):
         if found is None:
             return None
         md, lease_id = found
-        size, token = int(md["data_size"]), md.get("token", "")
         lease = Lease(
-            lambda ok: self._release_remote(endpoint, key, token, lease_id, success=ok),
+            lambda ok: self._release_remote(endpoint, key, md.get("token", ""), lease_id, ok),
             self.leases,
             key,
         )
         try:
+            size = ps.block_of(md)[0]  # before any allocation: the reply may be hostile
             local = self.pool.alloc(max(size, 1))
         except KVTransferError:
             lease.end(False)
@@ -296,7 +297,7 @@ class PullTransferConnector(OmniConnectorBase):
     ) -> PayloadStream:
         """The stream pulling ``md``'s block into ``local``: raw (the fast path, or a device
         pool) or a frame whose chunks ``load`` pulls."""
-        size, session, src = int(md["data_size"]), str(md["session"]), int(md["src_addr"])
+        (size, src), session = ps.block_of(md), str(md["session"])
         fast = bool(md.get("is_fast_path", True))
         if fast or not self._host_pool:
             stream = RawPullStream(

@@ -42,6 +42,15 @@ HEAD_PULL = 16 << 10
 TAIL_PULL = 32 << 10
 
 
+def block_of(md: dict[str, Any]) -> tuple[int, int]:
+    """``(data_size, src_addr)`` of a sender's block: non-negative integers (the sender's
+    reply is not trusted), else :class:`PullFailed`."""
+    size, src = md.get("data_size"), md.get("src_addr")
+    if type(size) is not int or type(src) is not int or size < 0 or src < 0:
+        raise PullFailed(f"the sender named a block of {size!r} bytes at {src!r}: not a block")
+    return size, src
+
+
 class Lease:
     """The sender's hold on a block for one receiver; ``end`` tells the sender once.
     With a ``book`` it is listed there under ``key`` (and this thread) until it ends."""
