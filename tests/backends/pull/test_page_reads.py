@@ -13,6 +13,7 @@ transfers at any size: its head and digest trailer, then its body.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 import random
@@ -220,7 +221,10 @@ def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
         p.close()
 
 
-def test_posts_per_move_do_not_grow_with_pages(pair: Pair) -> None:
+@contextlib.contextmanager
+def counting(pair: Pair) -> Iterator[tuple[Counting, bool]]:
+    """The receiver's transport object (NIXL's agent, Mooncake's engine) wrapped in a
+    :class:`Counting` for the block; yields it and whether the engine is NIXL's."""
     engine = pair.receiver.engine
     nixl = hasattr(engine, "agent")
     inner = Counting(engine.agent if nixl else engine.engine)
@@ -229,6 +233,16 @@ def test_posts_per_move_do_not_grow_with_pages(pair: Pair) -> None:
     else:
         engine.engine = inner
     try:
+        yield inner, nixl
+    finally:
+        if nixl:
+            engine.agent = inner.inner
+        else:
+            engine.engine = inner.inner
+
+
+def test_posts_per_move_do_not_grow_with_pages(pair: Pair) -> None:
+    with counting(pair) as (inner, nixl):
         counts = {}
         for n in (4, 64, 1024):
             pairs = _pairs(n, seed=n)
@@ -238,11 +252,6 @@ def test_posts_per_move_do_not_grow_with_pages(pair: Pair) -> None:
                 s_ids, d_ids = [s for s, _ in pairs], [d for _, d in pairs]
                 assert torch.equal(gp[d_ids].view(torch.int32), wp[s_ids].view(torch.int32))
             counts[n] = {k: v for k, v in inner.calls.items() if k != "check_xfer_state"}
-    finally:
-        if nixl:
-            engine.agent = inner.inner
-        else:
-            engine.engine = inner.inner
     if nixl:
         # the tables are prepared once (both sides, first move); then one request, one post
         # (polls of its state aside)
@@ -285,15 +294,8 @@ def test_a_frame_is_pulled_in_two_transfers_at_any_size(pair: Pair) -> None:
     """A packed frame of tensors: its prelude, header and digest trailer (first and last bytes)
     in one transfer when the stream opens, its body in one more when it loads; the same
     two at 256 KiB and 4 MiB."""
-    engine = pair.receiver.engine
-    nixl = hasattr(engine, "agent")
-    inner = Counting(engine.agent if nixl else engine.engine)
-    if nixl:
-        engine.agent = inner
-    else:
-        engine.engine = inner
     opened, pulled = {}, {}
-    try:
+    with counting(pair) as (inner, _nixl):
         for mib4 in (1, 16):  # quarter MiB
             data = {"kv": torch.randint(0, 1 << 30, (mib4 << 16,), dtype=torch.int32)}
             key = f"frame-{mib4}"
@@ -307,9 +309,4 @@ def test_a_frame_is_pulled_in_two_transfers_at_any_size(pair: Pair) -> None:
                     pass
                 assert torch.equal(stream.obj["kv"], data["kv"])
             pulled[mib4] = _posts(inner.calls)
-    finally:
-        if nixl:
-            engine.agent = inner.inner
-        else:
-            engine.engine = inner.inner
     assert opened == {1: 1, 16: 1} and pulled == {1: 2, 16: 2}, (opened, pulled)
