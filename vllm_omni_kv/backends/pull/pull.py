@@ -295,9 +295,9 @@ class PullTransferConnector(OmniConnectorBase):
     def _pull_stream(
         self, key: str, md: dict[str, Any], local: ManagedBuffer, lease: Lease
     ) -> PayloadStream:
-        """The stream pulling ``md``'s block into ``local``: raw (the fast path, or a device
-        pool) or a frame whose chunks ``load`` pulls."""
-        (size, src), session = ps.block_of(md), str(md["session"])
+        """The stream pulling ``md``'s block (checked by ``block_of``) into ``local``: raw (the
+        fast path, or a device pool) or a frame whose chunks ``load`` pulls."""
+        size, session, src = md["data_size"], str(md["session"]), md["src_addr"]
         fast = bool(md.get("is_fast_path", True))
         if fast or not self._host_pool:
             stream = RawPullStream(
