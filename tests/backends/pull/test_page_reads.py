@@ -119,6 +119,7 @@ class Counting:
 
     def __init__(self, inner: Any) -> None:
         self.inner, self.calls = inner, Counter()
+        self.args: list[tuple[str, tuple[Any, ...]]] = []
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self.inner, name)
@@ -127,6 +128,7 @@ class Counting:
 
         def call(*a: Any, **kw: Any) -> Any:
             self.calls[name] += 1
+            self.args.append((name, a))
             return attr(*a, **kw)
 
         return call
@@ -310,3 +312,44 @@ def test_a_frame_is_pulled_in_two_transfers_at_any_size(pair: Pair) -> None:
                 assert torch.equal(stream.obj["kv"], data["kv"])
             pulled[mib4] = _posts(inner.calls)
     assert opened == {1: 1, 16: 1} and pulled == {1: 2, 16: 2}, (opened, pulled)
+
+
+def _read_bytes(args: list[tuple[str, tuple[Any, ...]]]) -> int:
+    """Bytes Mooncake's engine was asked to read: ``(session, local, remote, length)``
+    per read, lists of them per batch."""
+    n = 0
+    for name, a in args:
+        if name == "transfer_sync_read":
+            n += a[3]
+        elif name == "batch_transfer_sync_read":
+            n += sum(a[3])
+    return n
+
+
+@pytest.mark.parametrize(
+    "shape",
+    ["256 KiB", "4 MiB", "4 MiB + blob"],
+)
+def test_no_byte_of_a_frame_is_pulled_twice(pair: Pair, shape: str) -> None:
+    """Opening pulls a frame's first and last bytes; the load pulls the rest and nothing
+    it already has (the trailer's last chunk, a blob that decoding needed): the bytes
+    pulled add up to the frame's size, counted by the stream and (Mooncake) by the
+    lengths its engine was asked to read."""
+    n = (1 << 16) if shape == "256 KiB" else (1 << 20)
+    data: dict[str, Any] = {"kv": torch.randint(0, 1 << 30, (n,), dtype=torch.int32)}
+    if "blob" in shape:
+        data["note"] = bytes(random.Random(5).randbytes(300_000))
+    key = f"once-{uuid.uuid4().hex[:8]}"
+    _ok, size, meta = pair.sender.put(FROM, TO, key, data)
+    with counting(pair) as (inner, nixl):
+        stream = pair.receiver.open_stream(FROM, TO, key, meta)
+        assert stream is not None
+        with stream:
+            for _ in stream.load(None, time.monotonic() + 20):
+                pass
+            assert torch.equal(stream.obj["kv"], data["kv"])
+            assert stream.obj.get("note") == data.get("note")
+            moved = stream.moved
+    assert moved == size, (moved, size)
+    if not nixl:
+        assert _read_bytes(inner.args) == size

@@ -2,9 +2,9 @@
 
 :class:`PullFrameStream` pulls a frame's prelude, header and digest trailer when it opens
 (its first and last bytes, in one transfer), then ``load(spans)`` pulls only the
-chunk-aligned byte ranges covering ``spans`` (one engine read per merged range) and
-verifies each chunk before it is
-handed out (xxh3 digests of frames packed on the host, linear digests of frames packed
+chunk-aligned byte ranges covering ``spans`` (one engine read per merged range; bytes
+already pulled, such as the trailer's chunk or the blobs decoding needed, are not pulled
+again) and verifies each chunk before it is handed out (xxh3 digests of frames packed on the host, linear digests of frames packed
 on a device; a frame without digests is refused unless the receiver sets
 ``require_digests: false``). ``moved`` counts the bytes pulled. The local block is sized for the
 whole frame and freed once the stream is closed and no tensor view of ``obj``
@@ -31,7 +31,14 @@ from vllm_omni_kv.backends.pool import ManagedBuffer
 from vllm_omni_kv.backends.pull.puller import Puller, PullFailed, when_reads_end
 from vllm_omni_kv.errors import KVTransferError, KVTransferTimeout
 from vllm_omni_kv.wire import codec
-from vllm_omni_kv.wire.stream import ALL_READY, ChunkedStream, PayloadStream, Span, check_cancel
+from vllm_omni_kv.wire.stream import (
+    ALL_READY,
+    ChunkedStream,
+    PayloadStream,
+    Span,
+    check_cancel,
+    merge_spans,
+)
 
 #: a frame at most this large is pulled in one read when its stream opens
 SMALL_FRAME = 64 << 10
@@ -40,6 +47,22 @@ HEAD_PULL = 16 << 10
 #: read with the head, in the same transfer: the frame's last bytes, which hold its digest
 #: trailer (8 bytes per chunk: 4,096 chunks, 1 GiB of 256 KiB chunks; keyed frames less)
 TAIL_PULL = 32 << 10
+
+
+def gaps(have: Sequence[Span], start: int, end: int) -> list[Span]:
+    """The parts of ``[start, end)`` outside ``have`` (sorted, disjoint spans)."""
+    out, at = [], start
+    for a, b in have:
+        if b <= at:
+            continue
+        if a >= end:
+            break
+        if a > at:
+            out.append((at, a))
+        at = b
+    if at < end:
+        out.append((at, end))
+    return out
 
 
 def block_of(md: dict[str, Any]) -> tuple[int, int]:
@@ -118,6 +141,7 @@ class PullFrameStream(ChunkedStream):
         self._puller, self._session, self._src, self._lease = puller, session, src_addr, lease
         self._what, self._local = what, local
         self._reads: list[cf.Future[None]] = []  # engine reads into ``local``
+        self._have: list[Span] = []  # frame bytes pulled (sorted, disjoint): never twice
         self._completed = False  # a load or copy_into reached its end
         self._releasing = False  # _release_when_idle ran
         view = (ctypes.c_char * size).from_address(local.address)
@@ -128,16 +152,10 @@ class PullFrameStream(ChunkedStream):
         try:
             mv = memoryview(view).cast("B")
             self._mv = mv
-            have = size if size <= SMALL_FRAME else min(size, HEAD_PULL)
-            tail = max(have, size - TAIL_PULL)  # [tail, size) comes with the head
-            self._pull_ranges([(0, have), (tail, size)], deadline, cancel)
+            head = size if size <= SMALL_FRAME else min(size, HEAD_PULL)
+            self._pull_ranges([(0, head), (size - TAIL_PULL, size)], deadline, cancel)
             p = codec.read_prelude(mv, size)
-            if p.data_start > have:
-                self._pull(have, p.data_start, deadline, cancel)
-                have = p.data_start
-            if p.total > have and not tail <= p.trailer_start <= p.total <= size:
-                self._pull(max(have, p.trailer_start), p.total, deadline, cancel)
-            self._whole = have >= p.total
+            self._pull_ranges([(0, p.data_start), (p.trailer_start, p.total)], deadline, cancel)
             info = codec.parse(mv, size, verify_head=True, require_checksum=puller.require_digests)
             self._start(mv, info, verify=True, deadline=deadline, cancel=cancel)
         except BaseException:
@@ -157,16 +175,16 @@ class PullFrameStream(ChunkedStream):
         reads, self._reads = self._reads, []
         when_reads_end(reads, self._local.release)
 
-    def _pull(self, start: int, end: int, deadline: float, cancel: threading.Event | None) -> None:
-        self._pull_ranges([(start, end)], deadline, cancel)
-
     def _pull_ranges(
-        self, ranges: list[tuple[int, int]], deadline: float, cancel: threading.Event | None
+        self, ranges: list[Span], deadline: float, cancel: threading.Event | None
     ) -> None:
-        """Pull the frame's byte ranges ``[start, end)`` as one engine transfer."""
-        reads = [(self._base + a, self._src + a, b - a) for a, b in ranges if b > a]
-        if not reads:
+        """Make the frame's byte ranges ``[start, end)`` local: the parts not pulled yet,
+        as one engine transfer."""
+        want = merge_spans([(max(a, 0), min(b, self.size)) for a, b in ranges])
+        missing = [g for a, b in want for g in gaps(self._have, a, b)]
+        if not missing:
             return
+        reads = [(self._base + a, self._src + a, b - a) for a, b in missing]
         self._reads = [f for f in self._reads if not f.done()]
         self._puller.read_many(
             self._session,
@@ -178,12 +196,12 @@ class PullFrameStream(ChunkedStream):
             track=self._reads,
         )
         self.moved += sum(n for _l, _r, n in reads)
+        self._have = merge_spans([*self._have, *missing])
 
     def _wait(
         self, start: int, need: int, end: int, deadline: float, cancel: threading.Event | None
     ) -> int:
-        if not self._whole:
-            self._pull(start, end, deadline, cancel)
+        self._pull_ranges([(start, end)], deadline, cancel)
         return end
 
     def _failed(self) -> None:
