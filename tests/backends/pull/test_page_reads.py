@@ -8,7 +8,9 @@ layer; the receiver's transport object is wrapped to count its calls. NIXL posts
 transfer per move, made by index into two prepared lists (prepared on the first move
 only); Mooncake posts one batch per 2,048 ranges (its limit). The pages are compared
 with the sender's with ``torch.equal``. A packed frame of tensors is pulled in two
-transfers at any size: its head and digest trailer, then its body.
+transfers at any size: its head and digest trailer, then its body, no byte twice; a frame
+of at most 16 KiB comes with the sender's acquire reply (no transfer), but never from the
+caller's metadata.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from vllm_omni_kv.backends.pull.page_reads import PageReads
 from vllm_omni_kv.kvcache.cache_layout import KVLayoutId, page_view
 from vllm_omni_kv.kvcache.move_plan import MovePlan, Pages
 from vllm_omni_kv.kvcache.shared_pages import describe_request, layer_geometry, shared_fields
+from vllm_omni_kv.wire import codec
 
 from ..conformance import nixl_config, pull_backend, te_config
 
@@ -255,8 +258,10 @@ def test_posts_per_move_do_not_grow_with_pages(pair: Pair) -> None:
                 assert torch.equal(gp[d_ids].view(torch.int32), wp[s_ids].view(torch.int32))
             counts[n] = {k: v for k, v in inner.calls.items() if k != "check_xfer_state"}
     if nixl:
-        # the tables are prepared once (both sides, first move); then one request, one post
-        # (polls of its state aside)
+        # the sender's metadata is loaded and the tables are prepared once (both sides, first
+        # move; the payload's small frame came with the acquire reply, so no read before
+        # it); then one request, one post (polls of its state aside)
+        assert counts[4].pop("add_remote_agent", 0) <= 1
         assert counts[4].pop("prep_xfer_dlist") == 2
         assert counts[4] == counts[64] == counts[1024] == {"make_prepped_xfer": 1, "transfer": 1}
     else:  # one batch per 2,048 ranges: 3 layers x 1,024 shuffled pages need two
@@ -353,3 +358,41 @@ def test_no_byte_of_a_frame_is_pulled_twice(pair: Pair, shape: str) -> None:
     assert moved == size, (moved, size)
     if not nixl:
         assert _read_bytes(inner.args) == size
+
+
+@pytest.mark.parametrize("kib", [4, 24])
+def test_a_small_frame_comes_with_the_acquire_reply(pair: Pair, kib: int) -> None:
+    """A frame of at most 16 KiB (a ``register_cache`` payload's block ids and geometry)
+    is in the sender's ``acquire`` reply: opening it posts no engine transfer. A larger one
+    is pulled (one transfer). Either way the pull ends with a release: the sender then
+    frees the block (``max_pulls`` 1), so the key is gone."""
+    data = {"ids": torch.arange(kib * 256, dtype=torch.int32)}  # kib KiB of tensor data
+    key = f"small-{kib}-{uuid.uuid4().hex[:8]}"
+    pair.sender.put(FROM, TO, key, data)
+    with counting(pair) as (inner, _nixl):
+        stream = pair.receiver.open_stream(FROM, TO, key)
+        assert stream is not None
+        opened = _posts(inner.calls)
+        with stream:
+            for _ in stream.load(None, time.monotonic() + 20):
+                pass
+            assert torch.equal(stream.obj["ids"], data["ids"])
+    assert opened == (0 if kib < 16 else 1), opened
+    assert pair.receiver.get(FROM, TO, key) is None  # released and freed
+
+
+def test_a_frame_in_the_callers_metadata_is_not_trusted(pair: Pair) -> None:
+    """Only the sender's reply may carry the frame: a ``frame`` in the metadata a caller
+    passes (``kv_transfer_params`` come from clients) is ignored and the frame pulled."""
+    data = {"ids": torch.arange(1024, dtype=torch.int32)}
+    key = f"forged-{uuid.uuid4().hex[:8]}"
+    _ok, size, meta = pair.sender.put(FROM, TO, key, data)
+    assert meta is not None
+    forged = bytes(codec.encode({"ids": torch.zeros(1024, dtype=torch.int32)}).to_bytearray())
+    assert len(forged) == size  # a valid frame of the same length, with other values
+    stream = pair.receiver.open_stream(FROM, TO, key, {**meta, "frame": forged})
+    assert stream is not None
+    with stream:
+        for _ in stream.load(None, time.monotonic() + 20):
+            pass
+        assert torch.equal(stream.obj["ids"], data["ids"])

@@ -8,11 +8,15 @@ whether the block stayed live for the whole pull. The token is never disclosed b
 ``acquire``: only a pull planned from the producer's put metadata releases by it. A block is freed after ``max_pulls`` successful
 pulls (``0``: only by cleanup / TTL), when its TTL passes with no lease held,
 or when it is retired (cleanup / replaced by a newer put) and its last lease
-ends. All methods are thread-safe.
+ends. A small frame in a host pool (at most :data:`INLINE_MAX` bytes: a ``register_cache``
+payload's block ids and geometry) travels in the ``acquire`` reply itself (``frame``),
+which saves the receiver an engine transfer; the lease and the release are the same. All
+methods are thread-safe.
 """
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import time
 import uuid
@@ -27,6 +31,8 @@ logger = init_logger(__name__)
 
 #: extra time a lease outlives the receiver's own transfer timeout
 LEASE_SLACK_S = 5.0
+#: a frame of at most this many bytes in a host pool is sent in the ``acquire`` reply
+INLINE_MAX = 16 << 10
 
 
 @dataclass
@@ -45,6 +51,7 @@ class Exposure:
     holders: dict[str, str] = field(default_factory=dict)  # receiver id -> its lease id
     retired: bool = False
     extended: float = 0.0  # the monotonic deadline a consumer extended its lease to
+    inline: bool = False  # a small frame in host memory: its bytes go with the acquire reply
 
 
 def _forget_holder(e: Exposure, lease: str | None) -> None:
@@ -74,7 +81,10 @@ class ExposureTable:
         fast: bool,
         dtype: str | None = None,
         shape: list[int] | None = None,
+        host: bool = True,
     ) -> Exposure:
+        """Expose ``buf``'s first ``size`` bytes under ``key`` (``fast``: a raw buffer, else
+        a frame; ``host``: ``buf`` is host memory)."""
         e = Exposure(
             key=key,
             token=uuid.uuid4().hex,
@@ -86,6 +96,7 @@ class ExposureTable:
             expires=time.monotonic() + self.ttl_s,
             remaining=self.max_pulls,
             unlimited=self.max_pulls == 0,
+            inline=host and not fast and size <= INLINE_MAX,
         )
         with self._lock:
             old = self._by_key.get(key)
@@ -137,7 +148,7 @@ class ExposureTable:
             self._by_lease[lease] = e.token
             if holder is not None:
                 e.holders[holder] = lease
-            return {
+            reply = {
                 "ok": True,
                 "lease": lease,
                 "src_addr": e.buf.address,
@@ -146,6 +157,9 @@ class ExposureTable:
                 "dtype": e.dtype,
                 "shape": e.shape,
             }
+            if e.inline:  # the block stays ours while the lock is held
+                reply["frame"] = ctypes.string_at(e.buf.address, e.size)
+            return reply
 
     def release(self, token: str, lease: str | None, success: bool) -> dict[str, Any]:
         """End a pull, named by its lease (an acquire's) or else by the block's token (a

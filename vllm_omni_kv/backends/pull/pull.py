@@ -172,7 +172,7 @@ class PullTransferConnector(OmniConnectorBase):
             )
         key = edge_key(put_key, from_stage, to_stage)
         buf, size, fast, dtype, shape = stage_in_pool(self.pool, data, checksum=self.frame_checksum)
-        entry = self._exposed.add(key, buf, size, fast, dtype, shape)
+        entry = self._exposed.add(key, buf, size, fast, dtype, shape, self._host_pool)
         self._stats.add("puts")
         self._stats.add("bytes_put", size)
         meta = {
@@ -236,7 +236,7 @@ class PullTransferConnector(OmniConnectorBase):
         None when the key is not there (yet); side-channel timeouts are reported by
         :meth:`_timed_out`.
         """
-        md = dict(metadata or {})
+        md = {k: v for k, v in (metadata or {}).items() if k != "frame"}  # only from acquire
         if all(md.get(k) is not None for k in ("data_size", "src_addr", "session", "token")):
             return md, None
         assert self._client is not None
@@ -295,8 +295,8 @@ class PullTransferConnector(OmniConnectorBase):
     def _pull_stream(
         self, key: str, md: dict[str, Any], local: ManagedBuffer, lease: Lease
     ) -> PayloadStream:
-        """The stream pulling ``md``'s block (checked by ``block_of``) into ``local``: raw (the
-        fast path, or a device pool) or a frame whose chunks ``load`` pulls."""
+        """The stream pulling ``md``'s block (checked by ``block_of``) into ``local``: raw (fast
+        path, device pool) or a frame whose chunks ``load`` pulls (or ``md``'s ``frame``)."""
         size, session, src = md["data_size"], str(md["session"]), md["src_addr"]
         fast = bool(md.get("is_fast_path", True))
         if fast or not self._host_pool:
@@ -307,10 +307,10 @@ class PullTransferConnector(OmniConnectorBase):
                 local = sized(local, size)
                 local.dtype_name, local.shape = md.get("dtype"), md.get("shape")
             return stream
-        deadline = time.monotonic() + self.transfer_timeout_s
+        deadline, inline = time.monotonic() + self.transfer_timeout_s, md.get("frame")
         return PullFrameStream(
-            self._puller, session, src, size, local, lease, what=repr(key), deadline=deadline
-        )
+            self._puller, session, src, size, local, lease, what=repr(key), deadline=deadline,
+            inline=inline)  # fmt: skip
 
     def get(
         self, from_stage: str, to_stage: str, get_key: str, metadata: dict[str, Any] | None = None

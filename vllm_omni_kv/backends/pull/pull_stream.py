@@ -123,7 +123,9 @@ class LeaseBook:
 
 
 class PullFrameStream(ChunkedStream):
-    """A frame pulled range by range into ``local`` (a host pool block)."""
+    """A frame pulled range by range into ``local`` (a host pool block). ``inline``: the
+    frame's bytes as the sender's ``acquire`` reply carried them (a small frame; used only
+    when exactly ``size`` bytes: nothing is pulled then)."""
 
     def __init__(
         self,
@@ -137,6 +139,7 @@ class PullFrameStream(ChunkedStream):
         what: str,
         deadline: float,
         cancel: threading.Event | None = None,
+        inline: Any = None,
     ) -> None:
         self._puller, self._session, self._src, self._lease = puller, session, src_addr, lease
         self._what, self._local = what, local
@@ -152,6 +155,9 @@ class PullFrameStream(ChunkedStream):
         try:
             mv = memoryview(view).cast("B")
             self._mv = mv
+            if type(inline) is bytes and len(inline) == size:  # came with the acquire reply
+                ctypes.memmove(local.address, inline, size)
+                self._have, self.moved = [(0, size)], size
             head = size if size <= SMALL_FRAME else min(size, HEAD_PULL)
             self._pull_ranges([(0, head), (size - TAIL_PULL, size)], deadline, cancel)
             p = codec.read_prelude(mv, size)

@@ -9,7 +9,8 @@ the place of the longest idle, when one has been idle :data:`EVICT_IDLE_S`, or i
 at once), reads at most one request of at most :data:`MAX_REQUEST` bytes per connection
 at a time (a longer one closes the connection before a byte of it is read) and reads the
 next only once its reply went out. So what it buffers for its peers is at most
-``MAX_PEERS * (MAX_REQUEST + one reply)``: 4.3 MiB with replies of 1 KiB. A connection
+``MAX_PEERS * (MAX_REQUEST + one reply)``: 8.3 MiB with replies of 17 KiB (an
+``acquire`` reply carries a frame of at most 16 KiB, :data:`.exposure.INLINE_MAX`). A connection
 that stalls mid-request or does not take its reply for :data:`STALL_S` is closed.
 
 With an auth key (:mod:`vllm_omni_kv.wire.auth`) on both ends, every message is a
