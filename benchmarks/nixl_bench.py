@@ -43,10 +43,13 @@ from typing import Any
 
 import torch
 
-from vllm_omni_kv.backends.nixl.connector import NixlPullConnector
-from vllm_omni_kv.backends.nixl.handshake import MD_OP
-from vllm_omni_kv.backends.nixl.loader import import_nixl, make_agent
-from vllm_omni_kv.backends.pull.side_channel import SideChannelClient
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bar_plot import grouped_bars  # noqa: E402
+
+from vllm_omni_kv.backends.nixl.connector import NixlPullConnector  # noqa: E402
+from vllm_omni_kv.backends.nixl.handshake import MD_OP  # noqa: E402
+from vllm_omni_kv.backends.nixl.loader import import_nixl, make_agent  # noqa: E402
+from vllm_omni_kv.backends.pull.side_channel import SideChannelClient  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 MIB = 1 << 20
@@ -301,36 +304,22 @@ def run(
 
 def plot(result: dict[str, Any], path: Path) -> bool:
     """Draw the rows into ``path``; False without matplotlib (the GPU machine)."""
-    try:
-        import matplotlib
-    except ImportError:
-        return False
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = result["rows"]
-    labels = [f"{r['mib']} MiB" for r in rows]
-    x = range(len(rows))
-    fig, ax = plt.subplots(figsize=(7, 4))
     series = [
-        ("memcpy_gbps", "memcpy (same bytes)"),
-        ("raw_nixl_gbps", "raw NIXL READ"),
-        ("raw_write_gbps", "raw NIXL WRITE"),
-        ("pull_gbps", "nixl backend pull (get)"),
+        (label, [r[key] or 0 for r in rows])
+        for key, label in (
+            ("memcpy_gbps", "memcpy (same bytes)"),
+            ("raw_nixl_gbps", "raw NIXL READ"),
+            ("raw_write_gbps", "raw NIXL WRITE"),
+            ("pull_gbps", "nixl backend pull (get)"),
+        )
     ]
-    w = 0.16
-    for i, (key, label) in enumerate(series):
-        ax.bar([p + (i - 2) * w for p in x], [r[key] or 0 for r in rows], w, label=label)
     put_pull = [r["frame_bytes"] / (r["put_pull_ms"] / 1e3) / 1e9 for r in rows]
-    ax.bar([p + 2 * w for p in x], put_pull, w, label="nixl backend put + pull")
-    ax.set_xticks(list(x), labels)
-    ax.set_ylabel("GB/s (frame bytes / median time)")
-    ax.set_title("NIXL/UCX on one host: backend vs raw engine vs memcpy")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return True
+    series.append(("nixl backend put + pull", put_pull))
+    labels = [f"{r['mib']} MiB" for r in rows]
+    title = "NIXL/UCX on one host: backend vs raw engine vs memcpy"
+    ylabel = "GB/s (frame bytes / median time)"
+    return grouped_bars(path, labels, series, ylabel, title, width=7.0)
 
 
 def main() -> None:

@@ -33,8 +33,11 @@ from typing import Any
 
 import torch
 
-from vllm_omni_kv.backends.pull.exposure import INLINE_MAX
-from vllm_omni_kv.backends.pull.side_channel import SideChannelClient
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bar_plot import grouped_bars  # noqa: E402
+
+from vllm_omni_kv.backends.pull.exposure import INLINE_MAX  # noqa: E402
+from vllm_omni_kv.backends.pull.side_channel import SideChannelClient  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "small_get_bench.json"
 EDGE = ("prefill", "decode")
@@ -171,30 +174,19 @@ def measure(engine: str, sizes: list[int], repeats: int) -> list[dict[str, Any]]
 
 def plot(result: dict[str, Any], path: Path) -> bool:
     """Get vs two side-channel round trips vs one raw engine read; False without matplotlib."""
-    try:
-        import matplotlib
-    except ImportError:
-        return False
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = result["rows"]
     labels = [f"{r['engine']}\n{r['kib']} KiB{'*' if r['inline'] else ''}" for r in rows]
-    x = list(range(len(rows)))
-    fig, ax = plt.subplots(figsize=(max(6, len(rows) * 0.9), 4))
-    w = 0.27
-    for j, (key, label) in enumerate(
-        [("get_ms", "get"), ("limit_ms", "2 side-channel round trips"), ("raw_read_ms", "raw read")]
-    ):
-        ax.bar([p + (j - 1) * w for p in x], [r[key] for r in rows], w, label=label)
-    ax.set_xticks(x, labels, fontsize=7)
-    ax.set_ylabel("ms (median)")
-    ax.set_title(f"Small pulls on one host (* frame in the acquire reply, <= {INLINE_MAX} B)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return True
+    series = [
+        (name, [r[key] for r in rows])
+        for key, name in (
+            ("get_ms", "get"),
+            ("limit_ms", "2 side-channel round trips"),
+            ("raw_read_ms", "raw read"),
+        )
+    ]
+    title = f"Small pulls on one host (* frame in the acquire reply, <= {INLINE_MAX} B)"
+    width = max(6.0, len(rows) * 0.9)
+    return grouped_bars(path, labels, series, "ms (median)", title, width=width, label_size=7)
 
 
 def main() -> None:

@@ -85,6 +85,12 @@ class Notices:
         with self._lock:
             return self._ended.get(nonce)
 
+    def ended_of(self, nonces: set[bytes]) -> dict[bytes, bytes]:
+        """The ends of those of ``nonces`` that ended (one drain of the notifications)."""
+        self._drain()
+        with self._lock:
+            return {n: self._ended[n] for n in nonces if n in self._ended}
+
     def challenge(self, sender: str) -> bytes | None:
         self._drain()
         with self._lock:
@@ -311,11 +317,9 @@ class WriteClient:
         left, failed = set(nonces), []
 
         def all_ended() -> bool:
-            for n in list(left):
-                end = self.notices.ended(n)
-                if end is not None:
-                    left.discard(n)
-                    failed.append(end == b"E")
+            for n, end in self.notices.ended_of(left).items():
+                left.discard(n)
+                failed.append(end == b"E")
             return not left
 
         if not _poll(all_ended, deadline, self._closed):

@@ -81,7 +81,7 @@ class ExposureTable:
         fast: bool,
         dtype: str | None = None,
         shape: list[int] | None = None,
-        host: bool = True,
+        host: bool = False,
     ) -> Exposure:
         """Expose ``buf``'s first ``size`` bytes under ``key`` (``fast``: a raw buffer, else
         a frame; ``host``: ``buf`` is host memory)."""

@@ -307,7 +307,7 @@ class PullTransferConnector(OmniConnectorBase):
                 local = sized(local, size)
                 local.dtype_name, local.shape = md.get("dtype"), md.get("shape")
             return stream
-        deadline, inline = time.monotonic() + self.transfer_timeout_s, md.get("frame")
+        deadline, inline = time.monotonic() + self.transfer_timeout_s, md.pop("frame", None)
         return PullFrameStream(
             self._puller, session, src, size, local, lease, what=repr(key), deadline=deadline,
             inline=inline)  # fmt: skip

@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from vllm_omni_kv.backends.pool import ManagedBuffer
+from vllm_omni_kv.backends.pull.held_spans import HeldSpans
 from vllm_omni_kv.backends.pull.puller import Puller, PullFailed, when_reads_end
 from vllm_omni_kv.errors import KVTransferError, KVTransferTimeout
 from vllm_omni_kv.wire import codec
@@ -47,22 +48,6 @@ HEAD_PULL = 16 << 10
 #: read with the head, in the same transfer: the frame's last bytes, which hold its digest
 #: trailer (8 bytes per chunk: 4,096 chunks, 1 GiB of 256 KiB chunks; keyed frames less)
 TAIL_PULL = 32 << 10
-
-
-def gaps(have: Sequence[Span], start: int, end: int) -> list[Span]:
-    """The parts of ``[start, end)`` outside ``have`` (sorted, disjoint spans)."""
-    out, at = [], start
-    for a, b in have:
-        if b <= at:
-            continue
-        if a >= end:
-            break
-        if a > at:
-            out.append((at, a))
-        at = b
-    if at < end:
-        out.append((at, end))
-    return out
 
 
 def block_of(md: dict[str, Any]) -> tuple[int, int]:
@@ -144,7 +129,7 @@ class PullFrameStream(ChunkedStream):
         self._puller, self._session, self._src, self._lease = puller, session, src_addr, lease
         self._what, self._local = what, local
         self._reads: list[cf.Future[None]] = []  # engine reads into ``local``
-        self._have: list[Span] = []  # frame bytes pulled (sorted, disjoint): never twice
+        self._have = HeldSpans()  # frame bytes pulled: never pulled twice
         self._completed = False  # a load or copy_into reached its end
         self._releasing = False  # _release_when_idle ran
         view = (ctypes.c_char * size).from_address(local.address)
@@ -157,7 +142,8 @@ class PullFrameStream(ChunkedStream):
             self._mv = mv
             if type(inline) is bytes and len(inline) == size:  # came with the acquire reply
                 ctypes.memmove(local.address, inline, size)
-                self._have, self.moved = [(0, size)], size
+                self._have.add(0, size)
+                self.moved = size
             head = size if size <= SMALL_FRAME else min(size, HEAD_PULL)
             self._pull_ranges([(0, head), (size - TAIL_PULL, size)], deadline, cancel)
             p = codec.read_prelude(mv, size)
@@ -187,7 +173,7 @@ class PullFrameStream(ChunkedStream):
         """Make the frame's byte ranges ``[start, end)`` local: the parts not pulled yet,
         as one engine transfer."""
         want = merge_spans([(max(a, 0), min(b, self.size)) for a, b in ranges])
-        missing = [g for a, b in want for g in gaps(self._have, a, b)]
+        missing = [g for a, b in want for g in self._have.missing(a, b)]
         if not missing:
             return
         reads = [(self._base + a, self._src + a, b - a) for a, b in missing]
@@ -202,7 +188,8 @@ class PullFrameStream(ChunkedStream):
             track=self._reads,
         )
         self.moved += sum(n for _l, _r, n in reads)
-        self._have = merge_spans([*self._have, *missing])
+        for a, b in missing:
+            self._have.add(a, b)
 
     def _wait(
         self, start: int, need: int, end: int, deadline: float, cancel: threading.Event | None
