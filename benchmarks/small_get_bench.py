@@ -1,18 +1,19 @@
-"""Latency of a small pull: the ``get`` of a frame of a few KiB (a ``register_cache``
-payload's block ids and geometry, a short request's state), beside what it cannot go below,
-measured in the same run.
+"""Latency of a small pull: the ``get`` of a few KiB (a ``register_cache`` payload's frame of
+block ids and geometry, a short request's state, a small tensor), beside what it cannot go
+below, measured in the same run.
 
     python benchmarks/small_get_bench.py            # NIXL and Mooncake TE, 1..48 KiB
-    python benchmarks/small_get_bench.py --quick    # one size of each kind, for smoke tests
+    python benchmarks/small_get_bench.py --quick    # frames of 4 and 24 KiB, for smoke tests
 
-A spawned sender process holds the connector that ``put`` the frames (``max_pulls: 0``, so
-one frame serves every get); this process holds the receiver. Per round, in turn: a
-side-channel ``ping`` round trip, the engine's raw read of the frame's bytes from the
-sender's pool (from the put's metadata), and a ``get`` of each frame (acquire, the frame,
-verification, decode, release). A ``get`` needs two side-channel round trips (acquire and
-release): ``limit_ms`` is twice the ping's median, and ``vs_limit`` that over the get's.
-Frames of at most ``INLINE_MAX`` bytes come in the acquire reply (``inline``); larger
-ones add an engine read. Writes ``results/small_get_bench.{json,png}``.
+A spawned sender process holds the connector that ``put`` the payloads (``max_pulls: 0``, so
+one put serves every get): packed frames of int32 ids of 1..48 KiB and bare tensors of 4 and
+24 KiB (the fast path). This process holds the receiver. Per round, in turn: a side-channel
+``ping`` round trip, then per payload the engine's raw read of its bytes from the sender's
+pool (from the put's metadata) and a ``get`` (acquire, the bytes, checks, decode, release).
+A ``get`` needs two side-channel round trips (acquire and release): ``limit_ms`` is twice the
+ping's median, and ``vs_limit`` that over the get's. Payloads of at most ``INLINE_MAX`` bytes
+come in the acquire reply (``inline``); larger ones add an engine read. Writes
+``results/small_get_bench.{json,png}``.
 """
 
 from __future__ import annotations
@@ -41,7 +42,10 @@ from vllm_omni_kv.backends.pull.side_channel import SideChannelClient  # noqa: E
 
 RESULTS = Path(__file__).resolve().parent / "results" / "small_get_bench.json"
 EDGE = ("prefill", "decode")
-KIB = (1, 4, 12, 24, 48)
+#: (kind, KiB): packed frames of int32 ids (a payload's block table), and bare tensors put on
+#: the fast path
+ITEMS = [("frame", k) for k in (1, 4, 12, 24, 48)] + [("tensor", k) for k in (4, 24)]
+Item = tuple[str, int]
 ENGINES = {"nixl": "nixl", "mooncake_te": "mooncake.engine"}
 
 
@@ -70,18 +74,27 @@ def _connector(engine: str, role: str) -> Any:
     return MooncakeTransferEngineConnector(_config(engine, role))
 
 
-def _payload(kib: int) -> dict[str, Any]:
-    """About ``kib`` KiB of int32 ids, as a small payload's block table is."""
-    return {"ids": torch.arange(kib * 256, dtype=torch.int32), "num_tokens": kib}
+def _ids(kib: int) -> torch.Tensor:
+    return torch.arange(kib * 256, dtype=torch.int32)
 
 
-def _sender(engine: str, sizes: list[int], conn: Connection) -> None:
-    """Put one frame per size, send the connection info and each put's metadata, then
+def _payload(item: Item) -> Any:
+    """About ``kib`` KiB of int32 ids: in a frame, as a small payload's block table, or bare."""
+    kind, kib = item
+    return {"ids": _ids(kib), "num_tokens": kib} if kind == "frame" else _ids(kib)
+
+
+def _name(item: Item) -> str:
+    return f"{item[0]}{item[1]}"
+
+
+def _sender(engine: str, items: list[Item], conn: Connection) -> None:
+    """Put one payload per item, send the connection info and each put's metadata, then
     wait for the word to close."""
     torch.set_num_threads(1)
     s = _connector(engine, "sender")
     try:
-        metas = {k: s.put(*EDGE, f"f{k}", _payload(k))[2] for k in sizes}
+        metas = {_name(it): s.put(*EDGE, _name(it), _payload(it))[2] for it in items}
         conn.send((s.get_connection_info(), metas))
         conn.recv()
     finally:
@@ -105,9 +118,15 @@ class _Receiver:
         n = meta["data_size"]
         self.conn.engine.read(meta["session"], self.block.address, meta["src_addr"], n)
 
-    def get(self, kib: int) -> None:
-        got = self.conn.get(*EDGE, f"f{kib}")
-        assert got is not None and torch.equal(got[0]["ids"], _payload(kib)["ids"])
+    def get(self, item: Item) -> None:
+        got = self.conn.get(*EDGE, _name(item))
+        assert got is not None
+        ids = _ids(item[1])
+        if item[0] == "frame":
+            assert torch.equal(got[0]["ids"], ids)
+        else:  # the receive block (a ManagedBuffer), released by its reader
+            assert torch.equal(got[0].tensor[: ids.numel() * 4].view(torch.int32), ids)
+            got[0].release()
 
     def close(self) -> None:
         self.block.release()
@@ -119,11 +138,11 @@ def _median_ms(samples: list[float]) -> float:
     return round(statistics.median(samples) * 1e3, 4)
 
 
-def measure(engine: str, sizes: list[int], repeats: int) -> list[dict[str, Any]]:
+def measure(engine: str, items: list[Item], repeats: int) -> list[dict[str, Any]]:
     """Rows of one engine: rounds of ping, raw reads and gets, each timed in turn."""
     ctx = mp.get_context("spawn")
     mine, theirs = ctx.Pipe()
-    proc = ctx.Process(target=_sender, args=(engine, sizes, theirs), daemon=True)
+    proc = ctx.Process(target=_sender, args=(engine, items, theirs), daemon=True)
     proc.start()
     try:
         if not mine.poll(120):
@@ -134,10 +153,10 @@ def measure(engine: str, sizes: list[int], repeats: int) -> list[dict[str, Any]]
             times: dict[str, list[float]] = {}
             for i in range(repeats + 3):  # three warm-up rounds
                 steps: list[tuple[str, Callable[[], None]]] = [("ping", rx.ping)]
-                for k in sizes:
+                for it in items:
                     steps += [
-                        (f"raw{k}", partial(rx.raw, metas[k])),
-                        (f"get{k}", partial(rx.get, k)),
+                        (f"raw {_name(it)}", partial(rx.raw, metas[_name(it)])),
+                        (f"get {_name(it)}", partial(rx.get, it)),
                     ]
                 for name, fn in steps:
                     t0 = time.perf_counter()
@@ -153,20 +172,22 @@ def measure(engine: str, sizes: list[int], repeats: int) -> list[dict[str, Any]]
             proc.kill()
     ping = _median_ms(times["ping"])
     rows = []
-    for k in sizes:
-        get = _median_ms(times[f"get{k}"])
-        size = int(metas[k]["data_size"])
+    for kind, kib in items:
+        name = _name((kind, kib))
+        get = _median_ms(times[f"get {name}"])
+        size = int(metas[name]["data_size"])
         rows.append(
             {
                 "engine": engine,
-                "kib": k,
-                "frame_bytes": size,
+                "kind": kind,
+                "kib": kib,
+                "bytes": size,
                 "inline": size <= INLINE_MAX,
                 "get_ms": get,
                 "ping_ms": ping,
                 "limit_ms": round(2 * ping, 4),
                 "vs_limit": round(2 * ping / get, 3),
-                "raw_read_ms": _median_ms(times[f"raw{k}"]),
+                "raw_read_ms": _median_ms(times[f"raw {name}"]),
             }
         )
     return rows
@@ -175,7 +196,9 @@ def measure(engine: str, sizes: list[int], repeats: int) -> list[dict[str, Any]]
 def plot(result: dict[str, Any], path: Path) -> bool:
     """Get vs two side-channel round trips vs one raw engine read; False without matplotlib."""
     rows = result["rows"]
-    labels = [f"{r['engine']}\n{r['kib']} KiB{'*' if r['inline'] else ''}" for r in rows]
+    labels = [
+        f"{r['engine']}\n{r['kind']} {r['kib']} KiB{'*' if r['inline'] else ''}" for r in rows
+    ]
     series = [
         (name, [r[key] for r in rows])
         for key, name in (
@@ -184,19 +207,20 @@ def plot(result: dict[str, Any], path: Path) -> bool:
             ("raw_read_ms", "raw read"),
         )
     ]
-    title = f"Small pulls on one host (* frame in the acquire reply, <= {INLINE_MAX} B)"
+    title = f"Small pulls on one host (* in the acquire reply, <= {INLINE_MAX} B)"
     width = max(6.0, len(rows) * 0.9)
     return grouped_bars(path, labels, series, "ms (median)", title, width=width, label_size=7)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="4 and 24 KiB, 20 rounds")
+    ap.add_argument("--quick", action="store_true", help="frames of 4 and 24 KiB, 20 rounds")
     ap.add_argument("--repeats", type=int, default=300)
     ap.add_argument("--engines", nargs="*", default=list(ENGINES))
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
-    sizes, repeats = ([4, 24], 20) if args.quick else (list(KIB), args.repeats)
+    quick = [("frame", 4), ("frame", 24)]
+    items, repeats = (quick, 20) if args.quick else (ITEMS, args.repeats)
     result: dict[str, Any] = {
         "benchmark": "small_get_bench",
         "machine": {"cpu": platform.machine(), "cores": mp.cpu_count()},
@@ -210,7 +234,7 @@ def main() -> None:
         if importlib.util.find_spec(ENGINES[engine]) is None:
             result["skipped"][engine] = f"{ENGINES[engine]} is not installed"
             continue
-        result["rows"] += measure(engine, sizes, repeats)
+        result["rows"] += measure(engine, items, repeats)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     plot(result, args.out.with_suffix(".png"))

@@ -360,24 +360,31 @@ def test_no_byte_of_a_frame_is_pulled_twice(pair: Pair, shape: str) -> None:
         assert _read_bytes(inner.args) == size
 
 
+@pytest.mark.parametrize("kind", ["frame", "tensor"])
 @pytest.mark.parametrize("kib", [4, 24])
-def test_a_small_frame_comes_with_the_acquire_reply(pair: Pair, kib: int) -> None:
-    """A frame of at most 16 KiB (a ``register_cache`` payload's block ids and geometry)
-    is in the sender's ``acquire`` reply: opening it posts no engine transfer. A larger one
-    is pulled (one transfer). Either way the pull ends with a release: the sender then
-    frees the block (``max_pulls`` 1), so the key is gone."""
-    data = {"ids": torch.arange(kib * 256, dtype=torch.int32)}  # kib KiB of tensor data
-    key = f"small-{kib}-{uuid.uuid4().hex[:8]}"
-    pair.sender.put(FROM, TO, key, data)
+def test_a_small_block_comes_with_the_acquire_reply(pair: Pair, kib: int, kind: str) -> None:
+    """A block of at most 16 KiB (a ``register_cache`` payload's frame of block ids and
+    geometry, or a small tensor put on the fast path) is in the sender's ``acquire`` reply:
+    getting it posts no engine transfer. A larger one is pulled (one transfer). Either way
+    the pull ends with a release: the sender then frees the block (``max_pulls`` 1), so the
+    key is gone."""
+    ids = torch.arange(kib * 256, dtype=torch.int32)  # kib KiB
+    key = f"small-{kind}-{kib}-{uuid.uuid4().hex[:8]}"
+    pair.sender.put(FROM, TO, key, {"ids": ids} if kind == "frame" else ids)
     with counting(pair) as (inner, _nixl):
         stream = pair.receiver.open_stream(FROM, TO, key)
         assert stream is not None
-        opened = _posts(inner.calls)
         with stream:
             for _ in stream.load(None, time.monotonic() + 20):
                 pass
-            assert torch.equal(stream.obj["ids"], data["ids"])
-    assert opened == (0 if kib < 16 else 1), opened
+            if kind == "frame":
+                assert torch.equal(stream.obj["ids"], ids)
+            else:
+                got = stream.obj
+                assert torch.equal(got.tensor[: ids.numel() * 4].view(torch.int32), ids)
+                got.release()
+        posts = _posts(inner.calls)
+    assert posts == (0 if kib < 16 else 1), posts
     assert pair.receiver.get(FROM, TO, key) is None  # released and freed
 
 

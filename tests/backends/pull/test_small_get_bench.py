@@ -35,7 +35,8 @@ def test_small_get_bench_quick_writes_json_and_plot(tmp_path: Path) -> None:
     assert sorted({row["engine"] for row in rows}) == sorted(INSTALLED)
     for row in rows:
         # a 4 KiB payload's frame comes with the acquire reply, a 24 KiB one is pulled
-        assert row["inline"] == (row["kib"] == 4) == (row["frame_bytes"] <= result["inline_max"])
+        assert row["kind"] == "frame"
+        assert row["inline"] == (row["kib"] == 4) == (row["bytes"] <= result["inline_max"])
         assert min(row["get_ms"], row["ping_ms"], row["raw_read_ms"]) > 0
         assert row["limit_ms"] == pytest.approx(2 * row["ping_ms"], abs=1e-3)
     if importlib.util.find_spec("matplotlib"):

@@ -8,9 +8,10 @@ whether the block stayed live for the whole pull. The token is never disclosed b
 ``acquire``: only a pull planned from the producer's put metadata releases by it. A block is freed after ``max_pulls`` successful
 pulls (``0``: only by cleanup / TTL), when its TTL passes with no lease held,
 or when it is retired (cleanup / replaced by a newer put) and its last lease
-ends. A small frame in a host pool (at most :data:`INLINE_MAX` bytes: a ``register_cache``
-payload's block ids and geometry) travels in the ``acquire`` reply itself (``frame``),
-which saves the receiver an engine transfer; the lease and the release are the same. All
+ends. A small block in a host pool (at most :data:`INLINE_MAX` bytes: a ``register_cache``
+payload's frame of block ids and geometry, a small tensor) travels in the ``acquire`` reply
+itself (``frame``), which saves the receiver an engine transfer; the lease and the release
+are the same. All
 methods are thread-safe.
 """
 
@@ -31,7 +32,7 @@ logger = init_logger(__name__)
 
 #: extra time a lease outlives the receiver's own transfer timeout
 LEASE_SLACK_S = 5.0
-#: a frame of at most this many bytes in a host pool is sent in the ``acquire`` reply
+#: a block of at most this many bytes in a host pool is sent in the ``acquire`` reply
 INLINE_MAX = 16 << 10
 
 
@@ -51,7 +52,7 @@ class Exposure:
     holders: dict[str, str] = field(default_factory=dict)  # receiver id -> its lease id
     retired: bool = False
     extended: float = 0.0  # the monotonic deadline a consumer extended its lease to
-    inline: bool = False  # a small frame in host memory: its bytes go with the acquire reply
+    inline: bool = False  # a small block in host memory: its bytes go with the acquire reply
 
 
 def _forget_holder(e: Exposure, lease: str | None) -> None:
@@ -96,7 +97,7 @@ class ExposureTable:
             expires=time.monotonic() + self.ttl_s,
             remaining=self.max_pulls,
             unlimited=self.max_pulls == 0,
-            inline=host and not fast and size <= INLINE_MAX,
+            inline=host and size <= INLINE_MAX,
         )
         with self._lock:
             old = self._by_key.get(key)

@@ -298,16 +298,16 @@ class PullTransferConnector(OmniConnectorBase):
         """The stream pulling ``md``'s block (checked by ``block_of``) into ``local``: raw (fast
         path, device pool) or a frame whose chunks ``load`` pulls (or ``md``'s ``frame``)."""
         size, session, src = md["data_size"], str(md["session"]), md["src_addr"]
-        fast = bool(md.get("is_fast_path", True))
+        fast, inline = bool(md.get("is_fast_path", True)), md.pop("frame", None)
         if fast or not self._host_pool:
             stream = RawPullStream(
-                self._puller, session, src, size, local, lease, what=repr(key), frame=not fast
-            )
+                self._puller, session, src, size, local, lease, what=repr(key), frame=not fast,
+                inline=inline if self._host_pool else None)  # fmt: skip
             if fast:
                 local = sized(local, size)
                 local.dtype_name, local.shape = md.get("dtype"), md.get("shape")
             return stream
-        deadline, inline = time.monotonic() + self.transfer_timeout_s, md.pop("frame", None)
+        deadline = time.monotonic() + self.transfer_timeout_s
         return PullFrameStream(
             self._puller, session, src, size, local, lease, what=repr(key), deadline=deadline,
             inline=inline)  # fmt: skip

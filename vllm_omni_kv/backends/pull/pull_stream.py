@@ -218,6 +218,7 @@ class PullFrameStream(ChunkedStream):
 class RawPullStream(PayloadStream):
     """A raw buffer (or a frame in a device pool) pulled in one read by ``load``; a frame
     is verified on the pool's device (:func:`~vllm_omni_kv.wire.unpack.decode_tensor`).
+    ``inline``: a small raw buffer's bytes from the acquire reply, for a host-pool ``local``.
 
     ``obj`` is the pulled :class:`ManagedBuffer` (the caller releases it), or for a
     frame in a device pool the decoded object; ``frame_address`` is None.
@@ -234,9 +235,13 @@ class RawPullStream(PayloadStream):
         *,
         what: str,
         frame: bool = False,
+        inline: Any = None,
     ) -> None:
         self._puller, self._session, self._src, self._lease = puller, session, src_addr, lease
         self._local, self._what, self._frame = local, what, frame
+        #: the block's bytes as the sender's acquire reply carried them (a host pool's small
+        #: block; used only when exactly ``size`` bytes: nothing is read then)
+        self._inline = inline if type(inline) is bytes and len(inline) == size else None
         self.size = size
         self.obj = None if frame else local
         self._loaded = self._started = self._in_flight = False
@@ -252,7 +257,9 @@ class RawPullStream(PayloadStream):
         self._started = True
         check_cancel(cancel, "the load")
         try:
-            if self.size:
+            if self._inline is not None:
+                ctypes.memmove(self._local.address, self._inline, self.size)
+            elif self.size:
                 self._puller.read(
                     self._session,
                     self._local.address,
