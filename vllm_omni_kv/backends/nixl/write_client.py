@@ -81,9 +81,7 @@ class Notices:
                 self._ended.pop(n, None)
 
     def ended(self, nonce: bytes) -> bytes | None:
-        self._drain()
-        with self._lock:
-            return self._ended.get(nonce)
+        return self.ended_of({nonce}).get(nonce)
 
     def ended_of(self, nonces: set[bytes]) -> dict[bytes, bytes]:
         """The ends of those of ``nonces`` that ended (one drain of the notifications)."""

@@ -11,8 +11,7 @@ or when it is retired (cleanup / replaced by a newer put) and its last lease
 ends. A small block in a host pool (at most :data:`INLINE_MAX` bytes: a ``register_cache``
 payload's frame of block ids and geometry, a small tensor) travels in the ``acquire`` reply
 itself (``frame``), which saves the receiver an engine transfer; the lease and the release
-are the same. All
-methods are thread-safe.
+are the same. All methods are thread-safe.
 """
 
 from __future__ import annotations

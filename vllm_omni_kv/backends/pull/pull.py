@@ -298,8 +298,8 @@ class PullTransferConnector(OmniConnectorBase):
         """The stream pulling ``md``'s block (checked by ``block_of``) into ``local``: raw (fast
         path, device pool) or a frame whose chunks ``load`` pulls (or ``md``'s ``frame``)."""
         size, session, src = md["data_size"], str(md["session"]), md["src_addr"]
-        fast, inline = bool(md.get("is_fast_path", True)), md.pop("frame", None)
-        if fast or not self._host_pool:
+        fast, inline = bool(md.get("is_fast_path", True)), ps.inline_of(md, size)
+        if fast or not self._host_pool:  # (a device pool's block is never written from bytes)
             stream = RawPullStream(
                 self._puller, session, src, size, local, lease, what=repr(key), frame=not fast,
                 inline=inline if self._host_pool else None)  # fmt: skip

@@ -4,8 +4,8 @@
 (its first and last bytes, in one transfer), then ``load(spans)`` pulls only the
 chunk-aligned byte ranges covering ``spans`` (one engine read per merged range; bytes
 already pulled, such as the trailer's chunk or the blobs decoding needed, are not pulled
-again) and verifies each chunk before it is handed out (xxh3 digests of frames packed on the host, linear digests of frames packed
-on a device; a frame without digests is refused unless the receiver sets
+again) and verifies each chunk before it is handed out (xxh3 digests of frames packed on
+the host, linear digests of frames packed on a device; a frame without digests is refused unless the receiver sets
 ``require_digests: false``). ``moved`` counts the bytes pulled. The local block is sized for the
 whole frame and freed once the stream is closed and no tensor view of ``obj``
 (and no engine read still running into it) remains. :class:`RawPullStream` pulls
@@ -48,6 +48,13 @@ HEAD_PULL = 16 << 10
 #: read with the head, in the same transfer: the frame's last bytes, which hold its digest
 #: trailer (8 bytes per chunk: 4,096 chunks, 1 GiB of 256 KiB chunks; keyed frames less)
 TAIL_PULL = 32 << 10
+
+
+def inline_of(md: dict[str, Any], size: int) -> bytes | None:
+    """The block's bytes as the sender's ``acquire`` reply carried them (taken out of
+    ``md``): exactly ``size`` bytes, else None (the block is pulled)."""
+    got = md.pop("frame", None)
+    return got if type(got) is bytes and len(got) == size else None
 
 
 def block_of(md: dict[str, Any]) -> tuple[int, int]:
@@ -109,8 +116,8 @@ class LeaseBook:
 
 class PullFrameStream(ChunkedStream):
     """A frame pulled range by range into ``local`` (a host pool block). ``inline``: the
-    frame's bytes as the sender's ``acquire`` reply carried them (a small frame; used only
-    when exactly ``size`` bytes: nothing is pulled then)."""
+    frame's bytes from the sender's ``acquire`` reply (:func:`inline_of`): nothing is
+    pulled then."""
 
     def __init__(
         self,
@@ -124,7 +131,7 @@ class PullFrameStream(ChunkedStream):
         what: str,
         deadline: float,
         cancel: threading.Event | None = None,
-        inline: Any = None,
+        inline: bytes | None = None,
     ) -> None:
         self._puller, self._session, self._src, self._lease = puller, session, src_addr, lease
         self._what, self._local = what, local
@@ -140,7 +147,7 @@ class PullFrameStream(ChunkedStream):
         try:
             mv = memoryview(view).cast("B")
             self._mv = mv
-            if type(inline) is bytes and len(inline) == size:  # came with the acquire reply
+            if inline is not None:  # came with the acquire reply
                 ctypes.memmove(local.address, inline, size)
                 self._have.add(0, size)
                 self.moved = size
@@ -218,7 +225,8 @@ class PullFrameStream(ChunkedStream):
 class RawPullStream(PayloadStream):
     """A raw buffer (or a frame in a device pool) pulled in one read by ``load``; a frame
     is verified on the pool's device (:func:`~vllm_omni_kv.wire.unpack.decode_tensor`).
-    ``inline``: a small raw buffer's bytes from the acquire reply, for a host-pool ``local``.
+    ``inline``: a small raw buffer's bytes from the acquire reply (:func:`inline_of`), for
+    a host-pool ``local``: nothing is read then.
 
     ``obj`` is the pulled :class:`ManagedBuffer` (the caller releases it), or for a
     frame in a device pool the decoded object; ``frame_address`` is None.
@@ -235,13 +243,11 @@ class RawPullStream(PayloadStream):
         *,
         what: str,
         frame: bool = False,
-        inline: Any = None,
+        inline: bytes | None = None,
     ) -> None:
         self._puller, self._session, self._src, self._lease = puller, session, src_addr, lease
         self._local, self._what, self._frame = local, what, frame
-        #: the block's bytes as the sender's acquire reply carried them (a host pool's small
-        #: block; used only when exactly ``size`` bytes: nothing is read then)
-        self._inline = inline if type(inline) is bytes and len(inline) == size else None
+        self._inline = inline
         self.size = size
         self.obj = None if frame else local
         self._loaded = self._started = self._in_flight = False

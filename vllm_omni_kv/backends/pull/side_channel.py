@@ -10,8 +10,8 @@ at once), reads at most one request of at most :data:`MAX_REQUEST` bytes per con
 at a time (a longer one closes the connection before a byte of it is read) and reads the
 next only once its reply went out. So what it buffers for its peers is at most
 ``MAX_PEERS * (MAX_REQUEST + one reply)``: 8.3 MiB with replies of 17 KiB (an
-``acquire`` reply carries a frame of at most 16 KiB, :data:`.exposure.INLINE_MAX`). A connection
-that stalls mid-request or does not take its reply for :data:`STALL_S` is closed.
+``acquire`` reply carries a block of at most 16 KiB, :data:`.exposure.INLINE_MAX`). A
+connection that stalls mid-request or does not take its reply for :data:`STALL_S` is closed.
 
 With an auth key (:mod:`vllm_omni_kv.wire.auth`) on both ends, every message is a
 keyed envelope (:mod:`.envelope`): a header with a timestamp, a nonce, the boot id of
