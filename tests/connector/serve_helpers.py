@@ -94,8 +94,10 @@ def _wait_healthy(url: str, procs: list[Proc], timeout: float) -> None:
     raise TimeoutError(f"{url} not healthy after {timeout:.0f}s (logs in {LOG_DIR})")
 
 
+#: the context length every server here is started with
+MAX_MODEL_LEN = 2048
 #: the model flags of :func:`serve_pd`'s servers unless a test gives its own
-MODEL_FLAGS = ["--dtype", "float32", "--max-model-len", "2048", "--block-size", "32"]
+MODEL_FLAGS = ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--block-size", "32"]
 
 
 @contextlib.contextmanager
@@ -200,7 +202,7 @@ def example_servers(model_dir: Path) -> Iterator[Servers]:
     )
     pp, dp, xp = free_port(), free_port(), free_port()
     common = [
-        "--model", str(model_dir), "--dtype", "float32", "--max-model-len", "2048",
+        "--model", str(model_dir), "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
         "--block-size", "32", "--enforce-eager", "--seed", "0",
     ]  # fmt: skip
     procs: list[Proc] = []

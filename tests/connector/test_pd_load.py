@@ -22,7 +22,7 @@ import aiohttp
 import pytest
 import requests
 from pd_helpers import LOG_DIR, SERVE_NAMESPACE, make_prompts
-from serve_helpers import EXAMPLE_SEND_TTL, Servers, metric
+from serve_helpers import EXAMPLE_SEND_TTL, MAX_MODEL_LEN, Servers, metric
 
 from vllm_omni_kv.backends.shm.inventory import inventory
 
@@ -34,9 +34,11 @@ REQUESTS = 36
 #: every third request hangs up: 12 of 36 (33%)
 ABORT_EVERY = 3
 MAX_TOKENS = 32
-#: a request that hangs up asks for many tokens: one whose hang-up never reached the decode
-#: server runs all of them, while delivering the hang-up takes a few decode steps
-ABORTED_MAX_TOKENS = 256
+#: a request that hangs up asks for as many tokens as its context has room for: one whose
+#: hang-up never reached the decode server runs all of them, while delivering a hang-up takes
+#: a few decode steps on an idle machine and can take over a second on a loaded one (client,
+#: proxy and both servers share two cores), longer than 256 tokens take
+ABORTED_MAX_TOKENS = 1536
 GREEDY = {"max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
 
 
@@ -173,6 +175,7 @@ def test_concurrent_streams_with_aborts_then_no_leak_and_a_clean_rerun(
         p for s in range(REQUESTS // 4) for p in make_prompts(tiny_model_dir, 4, seed=60 + s)
     ]
     assert len(prompts) == REQUESTS and len({tuple(p) for p in prompts}) == REQUESTS
+    assert max(map(len, prompts)) + ABORTED_MAX_TOKENS <= MAX_MODEL_LEN
     ref = _reference(stack, prompts)
     loads_before = metric(stack.decode, "vllm:omnikv_loads_total")
     tokens_before = metric(stack.decode, "vllm:generation_tokens_total")
