@@ -5,11 +5,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _bench import run_bench
 from _models import REPO
 
 from vllm_omni_kv.backends.shm import arena
@@ -18,14 +18,7 @@ from vllm_omni_kv.backends.shm import arena
 @pytest.mark.slow
 def test_transfer_bench_quick_run_writes_json_and_plot(tmp_path: Path) -> None:
     out = tmp_path / "transfer_bench.json"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "transfer_bench.py"), "--quick"]
-        + ["--no-mooncake", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_bench("transfer_bench.py", "--quick", "--no-mooncake", "--out", str(out))
     rows = json.loads(out.read_text())["rows"]
     paths = {r["path"] for r in rows}
     assert "memcpy" in paths
@@ -40,14 +33,7 @@ def test_gpu_copy_bench_runs_its_paths_on_the_host(tmp_path: Path) -> None:
     """The GPU staging benchmark's code paths, on ``--device cpu`` (its numbers come only
     from a run on a GPU)."""
     out = tmp_path / "gpu_copy_bench.json"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "gpu_copy_bench.py"), "--device", "cpu"]
-        + ["--quick", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_bench("gpu_copy_bench.py", "--device", "cpu", "--quick", "--out", str(out))
     result = json.loads(out.read_text())
     assert result["device"] == "cpu"
     paths = {r["path"] for r in result["rows"]}
@@ -137,14 +123,7 @@ def test_one_copy_bench_quick_run_writes_json_and_plot(tmp_path: Path) -> None:
     with the producer's inside the run), each against a memcpy of the same bytes, beside
     the two-copy move; no file is left in /dev/shm under the benchmark's namespaces."""
     out = tmp_path / "one_copy_bench.json"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "one_copy_bench.py"), "--quick"]
-        + ["--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_bench("one_copy_bench.py", "--quick", "--out", str(out))
     result = json.loads(out.read_text())
     rows = result["rows"]
     assert {r["size_mib"] for r in rows} == {4.0}
@@ -186,14 +165,8 @@ def test_region_bench_moves_pages_against_its_limit(tmp_path: Path, backend: str
     if backend != "shm":
         pytest.importorskip("mooncake.engine" if backend == "mooncake_cache" else "nixl")
     out = tmp_path / "region_bench.json"
-    cmd = [sys.executable, str(REPO / "benchmarks" / "region_bench.py"), "--device", "cpu"]
-    proc = subprocess.run(
-        [*cmd, "--backend", backend, "--sizes", "2", "--repeats", "2", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    args = ("--device", "cpu", "--backend", backend, "--sizes", "2", "--repeats", "2")
+    run_bench("region_bench.py", *args, "--out", str(out))
     (row,) = json.loads(out.read_text())["rows"]
     pages = (2 << 20) // (8 * 8 * 16 * 256 * 2)  # 64 KiB pages of 8 layers
     assert row["backend"] == backend and row["bytes"] == pages * 8 * 8 * 16 * 256 * 2
@@ -206,14 +179,8 @@ def test_a_failed_region_bench_writes_its_json_with_the_failure(tmp_path: Path) 
     """A move that fails (here ``cuda_ipc`` without CUDA) ends the run with exit 1 and a
     JSON that names the failure (rows measured before it are kept)."""
     out = tmp_path / "region_bench.json"
-    cmd = [sys.executable, str(REPO / "benchmarks" / "region_bench.py"), "--device", "cpu"]
-    proc = subprocess.run(
-        [*cmd, "--backend", "cuda_ipc", "--sizes", "2", "--repeats", "1", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 1, proc.stderr[-3000:]
+    args = ("--device", "cpu", "--backend", "cuda_ipc", "--sizes", "2", "--repeats", "1")
+    run_bench("region_bench.py", *args, "--out", str(out), timeout=120, returncode=1)
     result = json.loads(out.read_text())
     assert result["rows"] == [] and "needs a CUDA device" in result["error"], result
 
@@ -239,15 +206,9 @@ def test_region_bench_targets_are_issue_30s() -> None:
 
 def test_weights_digest_bench_times_cold_warm_and_cached(tmp_path: Path) -> None:
     out = tmp_path / "weights_digest_bench.json"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "weights_digest_bench.py")]
-        + ["--gib", "0.01", "--dir", str(tmp_path), "--out", str(out)],
-        env={**os.environ, "PYTHONPATH": str(REPO)},  # this checkout's package
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    args = ("--gib", "0.01", "--dir", str(tmp_path), "--out", str(out))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}  # this checkout's package
+    run_bench("weights_digest_bench.py", *args, timeout=120, env=env)
     r = json.loads(out.read_text())
     assert r["file_bytes"] > 10 << 20 and r["cold_s"] > 0 and r["warm_s"] > 0
     # a run, not a speed claim: at 10 MiB a cache lookup's fixed cost is about a hash of the

@@ -3,23 +3,18 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from _bench import run_bench
 
 pytest.importorskip("nixl", reason="nixl is not installed (pip install nixl)")
 
 pytestmark = [pytest.mark.slow, pytest.mark.nixl]
 
-REPO = Path(__file__).resolve().parents[3]
-
 
 def test_nixl_bench_quick_writes_json_and_plot(tmp_path: Path) -> None:
-    cmd = [sys.executable, str(REPO / "benchmarks" / "nixl_bench.py"), "--quick"]
-    r = subprocess.run([*cmd, "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
+    run_bench("nixl_bench.py", "--quick", "--out", str(tmp_path))
     result = json.loads((tmp_path / "nixl_bench_quick.json").read_text())
     assert [row["mib"] for row in result["rows"]] == [1, 4] and result["error"] is None
     for row in result["rows"]:

@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from _bench import run_bench
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[3]
 INSTALLED = [
     e for e, mod in (("nixl", "nixl"), ("mooncake_te", "mooncake")) if importlib.util.find_spec(mod)
 ]
@@ -22,14 +20,7 @@ INSTALLED = [
 @pytest.mark.skipif(not INSTALLED, reason="neither NIXL nor Mooncake is installed")
 def test_small_get_bench_quick_writes_json_and_plot(tmp_path: Path) -> None:
     out = tmp_path / "small.json"
-    cmd = [sys.executable, str(REPO / "benchmarks" / "small_get_bench.py"), "--quick"]
-    r = subprocess.run(
-        [*cmd, "--engines", *INSTALLED, "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
+    run_bench("small_get_bench.py", "--quick", "--engines", *INSTALLED, "--out", str(out))
     result = json.loads(out.read_text())
     rows = result["rows"]
     assert sorted({row["engine"] for row in rows}) == sorted(INSTALLED)
