@@ -224,11 +224,18 @@ def test_polls_back_off_to_the_cap(ns: str) -> None:
 def test_cancel_stops_a_waiting_receive_within_a_poll_interval(ns: str) -> None:
     _tx, rx = _pair(ns, SessionPolicy(poll_interval=0.001, max_poll_interval=0.02))
     cancel = threading.Event()
-    threading.Timer(0.2, cancel.set).start()
-    t0 = time.monotonic()
+    set_at: list[float] = []
+
+    def cancel_now() -> None:
+        set_at.append(time.monotonic())
+        cancel.set()
+
+    threading.Timer(0.2, cancel_now).start()
     with pytest.raises(KVTransferCancelled):
         rx.receive_into("k", None, time.monotonic() + 30, lambda p, s: None, cancel)  # type: ignore[arg-type,return-value]
-    assert time.monotonic() - t0 < 0.2 + 0.05
+    # seen at the next poll (at most 20 ms apart), not at the deadline; the rest is slack
+    # for a loaded machine (the other test worker may be running an engine)
+    assert time.monotonic() - set_at[0] < 0.02 + 0.2
 
 
 def test_cancel_stops_a_streamed_load(ns: str) -> None:
