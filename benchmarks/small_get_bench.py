@@ -11,9 +11,10 @@ one put serves every get): packed frames of int32 ids of 1..48 KiB and bare tens
 ``ping`` round trip, then per payload the engine's raw read of its bytes from the sender's
 pool (from the put's metadata) and a ``get`` (acquire, the bytes, checks, decode, release).
 A ``get`` needs two side-channel round trips (acquire and release): ``limit_ms`` is twice the
-ping's median, and ``vs_limit`` that over the get's. Payloads of at most ``INLINE_MAX`` bytes
-come in the acquire reply (``inline``); larger ones add an engine read. Writes
-``results/small_get_bench.{json,png}``.
+ping's median, and ``vs_limit`` that over the get's. Gets and raw reads also carry their
+90th percentile (``get_p90_ms``, ``raw_read_p90_ms``): a transport's occasional stalls.
+Payloads of at most ``INLINE_MAX`` bytes come in the acquire reply (``inline``); larger ones
+add an engine read. Writes ``results/small_get_bench.{json,png}``.
 """
 
 from __future__ import annotations
@@ -138,6 +139,11 @@ def _median_ms(samples: list[float]) -> float:
     return round(statistics.median(samples) * 1e3, 4)
 
 
+def _p90_ms(samples: list[float]) -> float:
+    """The 90th percentile: a transport's occasional stalls show here before the median."""
+    return round(statistics.quantiles(samples, n=10)[8] * 1e3, 4)
+
+
 def measure(engine: str, items: list[Item], repeats: int) -> list[dict[str, Any]]:
     """Rows of one engine: rounds of ping, raw reads and gets, each timed in turn."""
     ctx = mp.get_context("spawn")
@@ -184,10 +190,12 @@ def measure(engine: str, items: list[Item], repeats: int) -> list[dict[str, Any]
                 "bytes": size,
                 "inline": size <= INLINE_MAX,
                 "get_ms": get,
+                "get_p90_ms": _p90_ms(times[f"get {name}"]),
                 "ping_ms": ping,
                 "limit_ms": round(2 * ping, 4),
                 "vs_limit": round(2 * ping / get, 3),
                 "raw_read_ms": _median_ms(times[f"raw {name}"]),
+                "raw_read_p90_ms": _p90_ms(times[f"raw {name}"]),
             }
         )
     return rows

@@ -669,3 +669,56 @@ def test_a_load_that_fails_mid_pull_frees_its_receive_block_at_once() -> None:
             kept.append(e)
         assert kept, "the load of a dead sender's frame did not fail"
         assert wait_until(lambda: r.pool.allocator.used == 0, 10), r.pool.allocator.used
+
+
+class _Calls:
+    """The engine's binding, with the name of every method the adapter reaches recorded."""
+
+    def __init__(self, binding: Any) -> None:
+        self._binding, self.names = binding, []
+
+    def __getattr__(self, name: str) -> Any:
+        self.names.append(name)
+        return getattr(self._binding, name)
+
+
+@pytest.mark.mooncake
+def test_a_single_range_read_is_polled_and_batches_are_exact() -> None:
+    """A read of one range (``read``, or ``read_many`` of one: every small pull) is
+    submitted and polled with sleeps, never through the binding's synchronous calls, which
+    poll without pause and kept the engine's own I/O threads off the cores (3 ms reads on a
+    busy host). Multi-range batches still arrive exactly; a read of unregistered memory fails
+    with the engine's error, not at the 30 s bound."""
+    pytest.importorskip("mooncake.engine", reason="mooncake-transfer-engine is not installed")
+    from vllm_omni_kv.backends.pull.mooncake import MooncakeEngine
+
+    src = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8)
+    dst = torch.zeros(1 << 20, dtype=torch.uint8)
+    tx = MooncakeEngine("127.0.0.1", protocol="tcp")
+    rx = MooncakeEngine("127.0.0.1", protocol="tcp")
+    try:
+        tx.register(src.data_ptr(), src.numel())
+        rx.register(dst.data_ptr(), dst.numel())
+        calls = rx.engine = _Calls(rx.engine)
+        s, d = src.data_ptr(), dst.data_ptr()
+        rx.read(tx.session, d, s + 4096, 24 << 10)
+        rx.read_many(tx.session, [(d + (64 << 10), s, 1000)])
+        assert torch.equal(dst[: 24 << 10], src[4096 : 4096 + (24 << 10)])
+        assert torch.equal(dst[64 << 10 : (64 << 10) + 1000], src[:1000])
+        assert "batch_transfer_async_read" in calls.names
+        assert not {"transfer_sync_read", "batch_transfer_sync_read"} & set(calls.names)
+
+        dst.zero_()
+        ranges = [(d + i * 8192, s + (127 - i) * 8192, 4096) for i in range(100)]
+        rx.read_many(tx.session, ranges)
+        for i in range(100):
+            got = dst[i * 8192 : i * 8192 + 4096]
+            assert torch.equal(got, src[(127 - i) * 8192 : (127 - i) * 8192 + 4096])
+
+        t0 = time.monotonic()
+        with pytest.raises(KVTransferError, match="Mooncake"):
+            rx.read(tx.session, d, s + (8 << 20), 4096)  # past the registered buffer
+        assert time.monotonic() - t0 < 10
+    finally:
+        rx.close()
+        tx.close()

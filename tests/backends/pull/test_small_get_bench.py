@@ -29,6 +29,7 @@ def test_small_get_bench_quick_writes_json_and_plot(tmp_path: Path) -> None:
         assert row["kind"] == "frame"
         assert row["inline"] == (row["kib"] == 4) == (row["bytes"] <= result["inline_max"])
         assert min(row["get_ms"], row["ping_ms"], row["raw_read_ms"]) > 0
+        assert row["get_p90_ms"] >= row["get_ms"] and row["raw_read_p90_ms"] >= row["raw_read_ms"]
         assert row["limit_ms"] == pytest.approx(2 * row["ping_ms"], abs=1e-3)
     if importlib.util.find_spec("matplotlib"):
         assert out.with_suffix(".png").stat().st_size > 0

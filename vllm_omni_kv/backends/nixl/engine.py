@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from vllm_omni_kv.backends.nixl.backoff import Backoff
+from vllm_omni_kv.backends.backoff import Backoff
 from vllm_omni_kv.backends.nixl.handshake import ask_metadata, load_peer, log_peer
 from vllm_omni_kv.backends.nixl.loader import PROGRESS_WAIT_US, import_nixl, make_agent
 from vllm_omni_kv.backends.nixl.memory import (

@@ -27,8 +27,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_omni_kv.backends.backoff import Backoff
 from vllm_omni_kv.backends.nixl import write_wire as ww
-from vllm_omni_kv.backends.nixl.backoff import Backoff
 from vllm_omni_kv.backends.nixl.memory import Span
 from vllm_omni_kv.backends.pull.framing import split_endpoint
 from vllm_omni_kv.backends.pull.page_reads import PageReads, Read

@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from vllm_omni_kv.backends.backoff import Backoff
 from vllm_omni_kv.backends.nixl import write_wire as ww
-from vllm_omni_kv.backends.nixl.backoff import Backoff
 from vllm_omni_kv.backends.nixl.memory import Kind, Span, kind_of, tables_kind, use_device
 from vllm_omni_kv.backends.nixl.prepared_lists import LOCAL_SIDE, PreparedLists
 from vllm_omni_kv.backends.nixl.sinks import Sinks, TableSet

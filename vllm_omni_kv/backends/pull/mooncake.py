@@ -1,8 +1,7 @@
 """``MooncakeTransferEngineConnector``: pull-based KV transfer over Mooncake Transfer Engine.
 
-The receiver pulls from the sender's registered pool with
-``TransferEngine.transfer_sync_read`` (RDMA, or TCP on hosts without RDMA),
-after learning address and size over a TCP side channel; see
+The receiver pulls from the sender's registered pool with the engine's reads (RDMA, or TCP
+on hosts without RDMA), after learning address and size over a TCP side channel; see
 :mod:`vllm_omni_kv.backends.pull.pull` for the protocol, pulls by N
 receivers (``max_pulls``), TTL expiry and timeouts.
 
@@ -47,8 +46,10 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import time
 from typing import Any, ClassVar
 
+from vllm_omni_kv.backends.backoff import Backoff
 from vllm_omni_kv.backends.pull.cache_region import CacheRegionConnector
 from vllm_omni_kv.backends.pull.pull import EngineAdapter
 from vllm_omni_kv.errors import BackendUnavailable, KVTransferError
@@ -59,6 +60,19 @@ logger = init_logger(__name__)
 #: ranges per batched engine read: the transfer engine refuses (-1) a batch of more (TCP,
 #: measured with 2048 and 2049 ranges of 8 KiB); a larger move is read in several batches
 MAX_BATCH_READS = 2048
+#: the binding's own bound on a synchronous transfer without ``MC_TRANSFER_TIMEOUT`` (s),
+#: plus a second per GB moved; a polled read is bounded the same way
+SYNC_TIMEOUT_S = 30.0
+
+
+def _sync_timeout_s(nbytes: int) -> float:
+    """How long the binding lets a synchronous transfer of ``nbytes`` run."""
+    try:
+        base = max(5.0, float(int(os.environ.get("MC_TRANSFER_TIMEOUT", SYNC_TIMEOUT_S))))
+    except ValueError:
+        base = SYNC_TIMEOUT_S
+    return base + nbytes / 1e9
+
 
 INSTALL_HINT = (
     "pip install mooncake-transfer-engine-non-cuda (CPU-only hosts) or "
@@ -125,6 +139,10 @@ class MooncakeEngine:
                 "check device_name and that RDMA NICs are present; on hosts without RDMA use "
                 "protocol='tcp'. A non-P2PHANDSHAKE metadata_server must be reachable."
             )
+        #: single reads are submitted and polled (:meth:`read`), where the binding can
+        self._polled = all(
+            hasattr(self.engine, m) for m in ("batch_transfer_async_read", "transfer_check_status")
+        )
         if metadata_server == "P2PHANDSHAKE":
             self.session = f"{host}:{self.engine.get_rpc_port()}"
         else:
@@ -172,6 +190,12 @@ class MooncakeEngine:
         self.engine.unregister_memory(addr)
 
     def read(self, session: str, local_addr: int, remote_addr: int, length: int) -> None:
+        """One range: submitted as a batch of one and polled with :class:`Backoff`'s
+        sleeps where the binding can (its synchronous calls poll without pause, holding a
+        core that the engine's own I/O threads need on a busy host); else synchronous."""
+        if self._polled:
+            self._read_polled(session, local_addr, remote_addr, length)
+            return
         ret = self.engine.transfer_sync_read(session, local_addr, remote_addr, length)
         if ret < 0:
             raise KVTransferError(
@@ -179,9 +203,34 @@ class MooncakeEngine:
                 "the sender is gone or its buffer is no longer registered"
             )
 
+    def _read_polled(self, session: str, local: int, remote: int, length: int) -> None:
+        bid = self.engine.batch_transfer_async_read(session, [local], [remote], [length])
+        if not bid or bid < 0:
+            raise KVTransferError(
+                f"Mooncake could not submit a read of {length} bytes from {session}: the "
+                "sender is gone or its buffer is no longer registered"
+            )
+        bound = _sync_timeout_s(length)
+        backoff, limit = Backoff(), time.monotonic() + bound
+        while (state := self.engine.transfer_check_status(bid)) == 0:
+            if time.monotonic() > limit:  # as the binding bounds its own; the batch stays
+                break  # allocated (it may still be running: freeing it is not safe)
+            backoff.sleep()
+        if state != 1:
+            why = {-1: "failed", -2: "timed out"}.get(state, f"did not end in {bound:.0f} s")
+            raise KVTransferError(
+                f"Mooncake read of {length} bytes from {session} {why}: the sender is gone, "
+                "stalled, or its buffer is no longer registered"
+            )
+
     def read_many(self, session: str, reads: list[tuple[int, int, int]]) -> None:
-        """Several ``(local, remote, bytes)`` reads from ``session``: batches of at most
-        :data:`MAX_BATCH_READS` ranges (the engine refuses larger ones over TCP)."""
+        """Several ``(local, remote, bytes)`` reads from ``session``: one range as
+        :meth:`read`; more in batches of at most :data:`MAX_BATCH_READS` ranges (the engine
+        refuses larger ones over TCP), each waited for by the binding (it can poll only the
+        first range of a batch)."""
+        if len(reads) == 1:
+            self.read(session, *reads[0])
+            return
         for i in range(0, len(reads), MAX_BATCH_READS):
             batch = reads[i : i + MAX_BATCH_READS]
             local, remote, lengths = (list(x) for x in zip(*batch, strict=True))

@@ -1,4 +1,4 @@
-"""The sleeps of NIXL's polling loops: a transfer's end is seen soon after it happens,
+"""The sleeps of the transports' polling loops: a transfer's end is seen soon after it happens,
 at any duration, with few polls on long waits.
 
 Engine-free: the module's clock is a simulated one (each poll takes ``POLL_S``; a sleep
@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-from vllm_omni_kv.backends.nixl import backoff
+from vllm_omni_kv.backends import backoff
 
 POLL_S = 2e-6
 
