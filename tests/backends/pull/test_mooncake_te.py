@@ -715,6 +715,23 @@ def test_a_single_range_read_is_polled_and_batches_are_exact() -> None:
             got = dst[i * 8192 : i * 8192 + 4096]
             assert torch.equal(got, src[(127 - i) * 8192 : (127 - i) * 8192 + 4096])
 
+        dst.zero_()  # single reads from several threads at once (the pull threads)
+        errors: list[BaseException] = []
+
+        def reads(t: int) -> None:
+            try:
+                for i in range(t, 128, 4):
+                    rx.read(tx.session, d + i * 8192, s + i * 8192, 8192)
+            except BaseException as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=reads, args=(t,)) for t in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(30)
+        assert not errors and torch.equal(dst, src), errors
+
         t0 = time.monotonic()
         with pytest.raises(KVTransferError, match="Mooncake"):
             rx.read(tx.session, d, s + (8 << 20), 4096)  # past the registered buffer
