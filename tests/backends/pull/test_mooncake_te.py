@@ -675,7 +675,8 @@ class _Calls:
     """The engine's binding, with the name of every method the adapter reaches recorded."""
 
     def __init__(self, binding: Any) -> None:
-        self._binding, self.names = binding, []
+        self._binding = binding
+        self.names: list[str] = []
 
     def __getattr__(self, name: str) -> Any:
         self.names.append(name)
@@ -739,3 +740,36 @@ def test_a_single_range_read_is_polled_and_batches_are_exact() -> None:
     finally:
         rx.close()
         tx.close()
+
+
+class _Refusing:
+    """A binding whose asynchronous submit refuses (a peer's cached segment gone stale, as a
+    real one cannot be made here: P2PHANDSHAKE gives a restarted peer a new port), while its
+    synchronous read, which handshakes the peer again, succeeds."""
+
+    def __init__(self, refused: int) -> None:
+        self.refused, self.sync_reads = refused, 0
+
+    def batch_transfer_async_read(self, *_a: Any) -> int:
+        return self.refused
+
+    def transfer_check_status(self, _bid: int) -> int:
+        raise AssertionError("a batch that was not submitted must not be polled")
+
+    def transfer_sync_read(self, *_a: Any) -> int:
+        self.sync_reads += 1
+        return 0
+
+
+@pytest.mark.parametrize("refused", [0, (1 << 64) - 1])
+def test_a_read_the_binding_refuses_to_submit_goes_through_its_synchronous_read(
+    refused: int,
+) -> None:
+    pytest.importorskip("mooncake.engine", reason="mooncake-transfer-engine is not installed")
+    from vllm_omni_kv.backends.pull.mooncake import MooncakeEngine
+
+    eng = object.__new__(MooncakeEngine)
+    eng.engine, eng._polled = _Refusing(refused), True
+    eng.read("127.0.0.1:1", 1 << 20, 2 << 20, 4096)
+    eng.read_many("127.0.0.1:1", [(1 << 20, 2 << 20, 4096)])
+    assert eng.engine.sync_reads == 2

@@ -63,6 +63,9 @@ MAX_BATCH_READS = 2048
 #: the binding's own bound on a synchronous transfer without ``MC_TRANSFER_TIMEOUT`` (s),
 #: plus a second per GB moved; a polled read is bounded the same way
 SYNC_TIMEOUT_S = 30.0
+#: what the binding's asynchronous submit returns where it submitted nothing (0; -1 as
+#: its unsigned batch id in builds that return -1 for a peer it cannot open)
+_NO_BATCH = frozenset({0, -1, (1 << 64) - 1})
 
 
 def _sync_timeout_s(nbytes: int) -> float:
@@ -192,10 +195,12 @@ class MooncakeEngine:
     def read(self, session: str, local_addr: int, remote_addr: int, length: int) -> None:
         """One range: submitted as a batch of one and polled with :class:`Backoff`'s
         sleeps where the binding can (its synchronous calls poll without pause, holding a
-        core that the engine's own I/O threads need on a busy host); else synchronous."""
-        if self._polled:
-            self._read_polled(session, local_addr, remote_addr, length)
+        core that the engine's own I/O threads need on a busy host); synchronous where the
+        binding has no such calls or the batch could not be submitted."""
+        if self._polled and self._read_polled(session, local_addr, remote_addr, length):
             return
+        # the binding's synchronous read, also where a batch could not be submitted: it
+        # drops a peer's cached segment that no longer answers and handshakes it again
         ret = self.engine.transfer_sync_read(session, local_addr, remote_addr, length)
         if ret < 0:
             raise KVTransferError(
@@ -203,13 +208,11 @@ class MooncakeEngine:
                 "the sender is gone or its buffer is no longer registered"
             )
 
-    def _read_polled(self, session: str, local: int, remote: int, length: int) -> None:
+    def _read_polled(self, session: str, local: int, remote: int, length: int) -> bool:
+        """False where the read could not be submitted (nothing moved)."""
         bid = self.engine.batch_transfer_async_read(session, [local], [remote], [length])
-        if not bid or bid < 0:
-            raise KVTransferError(
-                f"Mooncake could not submit a read of {length} bytes from {session}: the "
-                "sender is gone or its buffer is no longer registered"
-            )
+        if bid in _NO_BATCH:
+            return False
         bound = _sync_timeout_s(length)
         backoff, limit = Backoff(), time.monotonic() + bound
         while (state := self.engine.transfer_check_status(bid)) == 0:
@@ -222,6 +225,7 @@ class MooncakeEngine:
                 f"Mooncake read of {length} bytes from {session} {why}: the sender is gone, "
                 "stalled, or its buffer is no longer registered"
             )
+        return True
 
     def read_many(self, session: str, reads: list[tuple[int, int, int]]) -> None:
         """Several ``(local, remote, bytes)`` reads from ``session``: one range as
