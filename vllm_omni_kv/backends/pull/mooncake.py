@@ -30,12 +30,13 @@ CUDA cache is registered as device memory with the CUDA build only, a path not r
 a GPU yet), ``verify_pages`` (with ``register_cache``: a digest per page, verified by
 consumers; host caches; default false).
 
-Inside vLLM's CPU workers, pulls used to stall for seconds: the worker pins its
-busy-waiting main thread to one core and the transfer engine's I/O threads
-inherited that pin. The connector now starts backend threads on the process's
-other CPUs (``transfer_cpus``, see :mod:`vllm_omni_kv.connector.affinity`); the
-progress timeout stays as a safety net for stalls of the TCP transport itself
-(e.g. upstream kvcache-ai/Mooncake#4209), turning one into a ~3 s retry.
+Inside vLLM's CPU workers the main thread busy-waits pinned to one core; the
+connector starts the transfer engine's I/O threads on the process's other CPUs
+(``transfer_cpus``, see :mod:`vllm_omni_kv.connector.affinity`), where they would
+otherwise inherit that pin and stall for seconds. The progress timeout is a safety net
+for stalls of the TCP transport itself (e.g. upstream kvcache-ai/Mooncake#4209),
+turning one into a ~3 s retry. Reads of one range are polled with sleeps
+(:meth:`MooncakeEngine.read`).
 
 Packages: ``pip install mooncake-transfer-engine`` (CUDA builds) or
 ``pip install mooncake-transfer-engine-non-cuda`` (CPU-only hosts).
