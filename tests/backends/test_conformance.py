@@ -7,7 +7,6 @@ parameter here.
 from __future__ import annotations
 
 import importlib.util
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -16,11 +15,12 @@ from contextlib import ExitStack
 
 import pytest
 import torch
+from _threads import errors_in_threads
 
 from vllm_omni_kv.errors import KVTransferError
 from vllm_omni_kv.wire.payload import KVCacheTransferData
 
-from .conformance import Harness, checksum, make_harness, pull_backend, wait_until
+from .conformance import Harness, checksum, make_harness, pull_backend
 
 
 def _shm_param() -> object:
@@ -230,22 +230,15 @@ def test_context_manager_closes(backend: Harness) -> None:
 
 def test_threads_do_not_deadlock(backend: Harness) -> None:
     """Puts and gets racing on different keys from several threads finish."""
-    errors: list[BaseException] = []
 
     def worker(i: int) -> None:
-        try:
-            for j in range(5):
-                k = _key(f"t{i}-{j}")
-                _ok, _s, meta = backend.put(k, torch.full((64,), float(i * 10 + j)))
-                got = backend.get(k, meta)
-                assert got is not None and float(got[0]) == i * 10 + j
-        except BaseException as e:
-            errors.append(e)
+        for j in range(5):
+            k = _key(f"t{i}-{j}")
+            _ok, _s, meta = backend.put(k, torch.full((64,), float(i * 10 + j)))
+            got = backend.get(k, meta)
+            assert got is not None and float(got[0]) == i * 10 + j
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(3)]
-    for t in threads:
-        t.start()
-    assert wait_until(lambda: not any(t.is_alive() for t in threads), timeout=60)
+    errors = errors_in_threads(worker, 3, timeout=60)
     assert not errors, errors
 
 

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -16,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 from _pause import pause
+from _threads import errors_in_threads
 
 from vllm_omni_kv.backends.pool import BufferAllocator, ManagedBuffer, MemoryPool
 from vllm_omni_kv.backends.pull.side_channel import SideChannelClient, SideChannelServer
@@ -64,26 +64,16 @@ def test_allocator_loud_errors() -> None:
 
 def test_allocator_thread_safety() -> None:
     a = BufferAllocator(256 * 4096)
-    errors: list[BaseException] = []
 
     def churn(seed: int) -> None:
         g = torch.Generator().manual_seed(seed)
-        try:
-            for _ in range(300):
-                offs = [
-                    a.alloc(int(torch.randint(1, 3 * 4096, (1,), generator=g))) for _ in range(4)
-                ]
-                for o in offs:
-                    a.free(o)
-        except BaseException as e:
-            errors.append(e)
+        for _ in range(300):
+            offs = [a.alloc(int(torch.randint(1, 3 * 4096, (1,), generator=g))) for _ in range(4)]
+            for o in offs:
+                a.free(o)
 
-    threads = [threading.Thread(target=churn, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert not errors
+    errors = errors_in_threads(churn, 4)
+    assert not errors, errors
     assert a.free_blocks() == [(0, 256 * 4096)]
 
 
@@ -717,20 +707,12 @@ def test_a_single_range_read_is_polled_and_batches_are_exact() -> None:
             assert torch.equal(got, src[(127 - i) * 8192 : (127 - i) * 8192 + 4096])
 
         dst.zero_()  # single reads from several threads at once (the pull threads)
-        errors: list[BaseException] = []
 
         def reads(t: int) -> None:
-            try:
-                for i in range(t, 128, 4):
-                    rx.read(tx.session, d + i * 8192, s + i * 8192, 8192)
-            except BaseException as e:
-                errors.append(e)
+            for i in range(t, 128, 4):
+                rx.read(tx.session, d + i * 8192, s + i * 8192, 8192)
 
-        threads = [threading.Thread(target=reads, args=(t,)) for t in range(4)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(30)
+        errors = errors_in_threads(reads, 4)
         assert not errors and torch.equal(dst, src), errors
 
         t0 = time.monotonic()
