@@ -2,11 +2,11 @@
 block ids and geometry, a short request's state, a small tensor), beside what it cannot go
 below, measured in the same run.
 
-    python benchmarks/small_get_bench.py            # NIXL and Mooncake TE, 1..48 KiB
+    python benchmarks/small_get_bench.py            # NIXL and Mooncake TE, 1 KiB..1 MiB
     python benchmarks/small_get_bench.py --quick    # frames of 4 and 24 KiB, for smoke tests
 
 A spawned sender process holds the connector that ``put`` the payloads (``max_pulls: 0``, so
-one put serves every get): packed frames of int32 ids of 1..48 KiB and bare tensors of 4 and
+one put serves every get): packed frames of int32 ids of 1 KiB..1 MiB and bare tensors of 4 and
 24 KiB (the fast path). This process holds the receiver. Per round, in turn: a side-channel
 ``ping`` round trip, then per payload the engine's raw read of its bytes from the sender's
 pool (from the put's metadata) and a ``get`` (acquire, the bytes, checks, decode, release).
@@ -43,10 +43,12 @@ from vllm_omni_kv.backends.pull.side_channel import SideChannelClient  # noqa: E
 
 RESULTS = Path(__file__).resolve().parent / "results" / "small_get_bench.json"
 EDGE = ("prefill", "decode")
-#: (kind, KiB): packed frames of int32 ids (a payload's block table), and bare tensors put on
-#: the fast path
-ITEMS = [("frame", k) for k in (1, 4, 12, 24, 48)] + [("tensor", k) for k in (4, 24)]
+#: (kind, KiB): packed frames of int32 ids (a payload's block table; from 256 KiB a frame's
+#: head and tail are two ranges read at once), and bare tensors put on the fast path
+ITEMS = [("frame", k) for k in (1, 4, 12, 24, 48, 256, 1024)] + [("tensor", k) for k in (4, 24)]
 Item = tuple[str, int]
+#: the receiver's block for raw reads: the largest payload's frame fits
+RAW_BLOCK = 2 << 20
 ENGINES = {"nixl": "nixl", "mooncake_te": "mooncake.engine"}
 
 
@@ -110,13 +112,14 @@ class _Receiver:
         self.conn.update_sender_info(info["host"], info["zmq_port"])
         self.endpoint = f"tcp://{info['host']}:{info['zmq_port']}"
         self.client = SideChannelClient(5.0)
-        self.block = self.conn.pool.alloc(64 << 10)
+        self.block = self.conn.pool.alloc(RAW_BLOCK)
 
     def ping(self) -> None:
         assert self.client.request(self.endpoint, {"op": "ping"})["ok"]
 
     def raw(self, meta: dict[str, Any]) -> None:
         n = meta["data_size"]
+        assert n <= RAW_BLOCK, f"a {n}-byte payload does not fit the raw-read block"
         self.conn.engine.read(meta["session"], self.block.address, meta["src_addr"], n)
 
     def get(self, item: Item) -> None:

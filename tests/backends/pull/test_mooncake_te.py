@@ -674,12 +674,12 @@ class _Calls:
 
 
 @pytest.mark.mooncake
-def test_a_single_range_read_is_polled_and_batches_are_exact() -> None:
-    """A read of one range (``read``, or ``read_many`` of one: every small pull) is
-    submitted and polled with sleeps, never through the binding's synchronous calls, which
-    poll without pause and kept the engine's own I/O threads off the cores (3 ms reads on a
-    busy host). Multi-range batches still arrive exactly; a read of unregistered memory fails
-    with the engine's error, not at the 30 s bound."""
+def test_a_short_read_is_polled_and_batches_are_exact() -> None:
+    """A read of up to four ranges (``read``, ``read_many``: a frame's head and tail, every
+    small pull) is submitted and polled with sleeps, never through the binding's
+    synchronous calls, which poll without pause and kept the engine's own I/O threads off
+    the cores (3 ms reads on a busy host). Longer batches still arrive exactly; a read of
+    unregistered memory fails with the engine's error, not at the 30 s bound."""
     pytest.importorskip("mooncake.engine", reason="mooncake-transfer-engine is not installed")
     from vllm_omni_kv.backends.pull.mooncake import MooncakeEngine
 
@@ -693,9 +693,10 @@ def test_a_single_range_read_is_polled_and_batches_are_exact() -> None:
         calls = rx.engine = _Calls(rx.engine)
         s, d = src.data_ptr(), dst.data_ptr()
         rx.read(tx.session, d, s + 4096, 24 << 10)
-        rx.read_many(tx.session, [(d + (64 << 10), s, 1000)])
+        rx.read_many(tx.session, [(d + (64 << 10), s, 1000), (d + (96 << 10), s + 8192, 500)])
         assert torch.equal(dst[: 24 << 10], src[4096 : 4096 + (24 << 10)])
         assert torch.equal(dst[64 << 10 : (64 << 10) + 1000], src[:1000])
+        assert torch.equal(dst[96 << 10 : (96 << 10) + 500], src[8192 : 8192 + 500])
         assert "batch_transfer_async_read" in calls.names
         assert not {"transfer_sync_read", "batch_transfer_sync_read"} & set(calls.names)
 
@@ -738,7 +739,7 @@ class _Refusing:
     def transfer_check_status(self, _bid: int) -> int:
         raise AssertionError("a batch that was not submitted must not be polled")
 
-    def transfer_sync_read(self, *_a: Any) -> int:
+    def batch_transfer_sync_read(self, *_a: Any) -> int:
         self.sync_reads += 1
         return 0
 
@@ -753,5 +754,5 @@ def test_a_read_the_binding_refuses_to_submit_goes_through_its_synchronous_read(
     eng = object.__new__(MooncakeEngine)
     eng.engine, eng._polled = _Refusing(refused), True
     eng.read("127.0.0.1:1", 1 << 20, 2 << 20, 4096)
-    eng.read_many("127.0.0.1:1", [(1 << 20, 2 << 20, 4096)])
+    eng.read_many("127.0.0.1:1", [(1 << 20, 2 << 20, 4096), (3 << 20, 4 << 20, 4096)])
     assert eng.engine.sync_reads == 2

@@ -52,6 +52,7 @@ from typing import Any, ClassVar
 
 from vllm_omni_kv.backends.backoff import Backoff
 from vllm_omni_kv.backends.pull.cache_region import CacheRegionConnector
+from vllm_omni_kv.backends.pull.page_reads import PageReads
 from vllm_omni_kv.backends.pull.pull import EngineAdapter
 from vllm_omni_kv.errors import BackendUnavailable, KVTransferError
 from vllm_omni_kv.logger import init_logger
@@ -61,6 +62,8 @@ logger = init_logger(__name__)
 #: ranges per batched engine read: the transfer engine refuses (-1) a batch of more (TCP,
 #: measured with 2048 and 2049 ranges of 8 KiB); a larger move is read in several batches
 MAX_BATCH_READS = 2048
+#: reads of at most this many ranges are polled range by range (:meth:`MooncakeEngine.read_many`)
+POLLED_RANGES = 4
 #: the binding's own bound on a synchronous transfer without ``MC_TRANSFER_TIMEOUT`` (s),
 #: plus a second per GB moved; a polled read is bounded the same way
 SYNC_TIMEOUT_S = 30.0
@@ -143,7 +146,7 @@ class MooncakeEngine:
                 "check device_name and that RDMA NICs are present; on hosts without RDMA use "
                 "protocol='tcp'. A non-P2PHANDSHAKE metadata_server must be reachable."
             )
-        #: single reads are submitted and polled (:meth:`read`), where the binding can
+        #: short reads are submitted and polled (:meth:`read_many`), where the binding can
         self._polled = all(
             hasattr(self.engine, m) for m in ("batch_transfer_async_read", "transfer_check_status")
         )
@@ -194,57 +197,72 @@ class MooncakeEngine:
         self.engine.unregister_memory(addr)
 
     def read(self, session: str, local_addr: int, remote_addr: int, length: int) -> None:
-        """One range: submitted as a batch of one and polled with :class:`Backoff`'s
-        sleeps where the binding can (its synchronous calls poll without pause, holding a
-        core that the engine's own I/O threads need on a busy host); synchronous where the
-        binding has no such calls or the batch could not be submitted."""
-        if self._polled and self._read_polled(session, local_addr, remote_addr, length):
-            return
-        # the binding's synchronous read, also where a batch could not be submitted: it
-        # drops a peer's cached segment that no longer answers and handshakes it again
-        ret = self.engine.transfer_sync_read(session, local_addr, remote_addr, length)
-        if ret < 0:
-            raise KVTransferError(
-                f"Mooncake transfer_sync_read of {length} bytes from {session} failed ({ret}): "
-                "the sender is gone or its buffer is no longer registered"
-            )
-
-    def _read_polled(self, session: str, local: int, remote: int, length: int) -> bool:
-        """False where the read could not be submitted (nothing moved)."""
-        bid = self.engine.batch_transfer_async_read(session, [local], [remote], [length])
-        if bid in _NO_BATCH:
-            return False
-        bound = _sync_timeout_s(length)
-        backoff, limit = Backoff(), time.monotonic() + bound
-        while (state := self.engine.transfer_check_status(bid)) == 0:
-            if time.monotonic() > limit:  # as the binding bounds its own; the batch stays
-                break  # allocated (it may still be running: freeing it is not safe)
-            backoff.sleep()
-        if state != 1:
-            why = {-1: "failed", -2: "timed out"}.get(state, f"did not end in {bound:.0f} s")
-            raise KVTransferError(
-                f"Mooncake read of {length} bytes from {session} {why}: the sender is gone, "
-                "stalled, or its buffer is no longer registered"
-            )
-        return True
+        """One range (:meth:`read_many`)."""
+        self.read_many(session, [(local_addr, remote_addr, length)])
 
     def read_many(self, session: str, reads: list[tuple[int, int, int]]) -> None:
-        """Several ``(local, remote, bytes)`` reads from ``session``: one range as
-        :meth:`read`; more in batches of at most :data:`MAX_BATCH_READS` ranges (the engine
-        refuses larger ones over TCP), each waited for by the binding (it can poll only the
-        first range of a batch)."""
-        if len(reads) == 1:
-            self.read(session, *reads[0])
+        """``(local, remote, bytes)`` reads from ``session``. At most :data:`POLLED_RANGES`
+        ranges (a frame's head and tail, its body, a small pull) are submitted as batches
+        of one and polled with :class:`Backoff`'s sleeps where the binding can: its
+        synchronous calls poll without pause, holding a core that the engine's own I/O
+        threads need on a busy host. More ranges, and reads the binding would not submit,
+        go through its synchronous batches (:meth:`read_pages`)."""
+        if self._polled and len(reads) <= POLLED_RANGES and self._read_polled(session, reads):
             return
+        self._read_batches(session, reads)
+
+    def read_pages(self, session: str, reads: PageReads) -> None:
+        """One move's page ranges: one synchronous batch per :data:`MAX_BATCH_READS`
+        ranges, so the posts per move do not grow with its pages."""
+        self._read_batches(session, reads.ranges())
+
+    def _read_batches(self, session: str, reads: list[tuple[int, int, int]]) -> None:
+        """Batches of at most :data:`MAX_BATCH_READS` ranges (the engine refuses larger
+        ones over TCP), each waited for by the binding, which also drops a peer's cached
+        segment that no longer answers and handshakes it again."""
         for i in range(0, len(reads), MAX_BATCH_READS):
             batch = reads[i : i + MAX_BATCH_READS]
             local, remote, lengths = (list(x) for x in zip(*batch, strict=True))
             ret = self.engine.batch_transfer_sync_read(session, local, remote, lengths)
             if ret < 0:
                 raise KVTransferError(
-                    f"Mooncake batch_transfer_sync_read of {len(batch)} ranges from {session} "
-                    f"failed ({ret}): the sender is gone or its buffer is no longer registered"
+                    f"Mooncake read of {len(batch)} ranges from {session} failed ({ret}): "
+                    "the sender is gone or its buffer is no longer registered"
                 )
+
+    def _read_polled(self, session: str, reads: list[tuple[int, int, int]]) -> bool:
+        """Each range as a batch of one, all in flight, then waited for. False where the
+        binding would not submit one (the caller reads them all synchronously, once none
+        runs); a range that failed raises, once none runs."""
+        bids, refused = [], False
+        for local, remote, n in reads:
+            bid = self.engine.batch_transfer_async_read(session, [local], [remote], [n])
+            if bid in _NO_BATCH:
+                refused = True
+                break
+            bids.append(bid)
+        bound = _sync_timeout_s(sum(r[2] for r in reads))
+        state = self._wait(bids, time.monotonic() + bound)
+        if state == 1:
+            return not refused
+        why = {-1: "failed", -2: "timed out"}.get(state, f"did not end in {bound:.0f} s")
+        raise KVTransferError(
+            f"Mooncake read of {len(reads)} range(s) from {session} {why}: the sender is "
+            "gone, stalled, or its buffer is no longer registered"
+        )
+
+    def _wait(self, bids: list[int], limit: float) -> int:
+        """Poll every batch to its end: 1 when all completed, else the state of one that
+        did not (-1 failed, -2 timed out, 0 still running at ``limit``: it and the rest
+        stay allocated, since freeing a running batch is not safe)."""
+        backoff, worst = Backoff(), 1
+        for bid in bids:
+            while (state := self.engine.transfer_check_status(bid)) == 0:
+                if time.monotonic() > limit:
+                    return 0
+                backoff.sleep()
+            worst = worst if state == 1 else state
+        return worst
 
     def close(self) -> None:
         self.engine = None  # the binding has no explicit shutdown; dropping it stops its threads
