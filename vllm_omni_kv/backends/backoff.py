@@ -1,5 +1,5 @@
 """The sleeps of the transports' polling loops (NIXL's transfer states and notifications,
-Mooncake's single-range reads).
+Mooncake's reads of a few ranges).
 
 A loop polls without sleeping for its first :data:`SPIN_S` (it yields the core and the
 GIL between polls: ``sched_yield``, where even ``time.sleep(0)`` takes the OS's sleep

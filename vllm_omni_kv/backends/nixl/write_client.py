@@ -327,7 +327,8 @@ class WriteClient:
     def _wait_out(self, endpoint: str, posted: dict[bytes, bytes]) -> None:
         """Return once no write of ``posted`` (nonce -> its token) can still land (see the
         module's text)."""
-        left = [n for n in posted if self.notices.ended(n) is None]
+        ended = self.notices.ended_of(set(posted))
+        left = [n for n in posted if n not in ended]
         while left and not self._closed():
             still: list[bytes] = []
             for n in left:

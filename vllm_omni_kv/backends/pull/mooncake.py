@@ -35,8 +35,8 @@ connector starts the transfer engine's I/O threads on the process's other CPUs
 (``transfer_cpus``, see :mod:`vllm_omni_kv.connector.affinity`), where they would
 otherwise inherit that pin and stall for seconds. The progress timeout is a safety net
 for stalls of the TCP transport itself (e.g. upstream kvcache-ai/Mooncake#4209),
-turning one into a ~3 s retry. Reads of one range are polled with sleeps
-(:meth:`MooncakeEngine.read`).
+turning one into a ~3 s retry. Reads of a few ranges are polled with sleeps
+(:meth:`MooncakeEngine.read_many`).
 
 Packages: ``pip install mooncake-transfer-engine`` (CUDA builds) or
 ``pip install mooncake-transfer-engine-non-cuda`` (CPU-only hosts).
