@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib.util
 import multiprocessing as mp
 import os
 import threading
@@ -20,6 +21,7 @@ from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
+import pytest
 import torch
 import xxhash
 
@@ -255,6 +257,25 @@ def pull_backend(backend: str) -> tuple[Any, Callable[..., dict[str, Any]]]:
     from vllm_omni_kv.backends.pull.mooncake import MooncakeTransferEngineConnector
 
     return MooncakeTransferEngineConnector, te_config
+
+
+#: the pull engines, as test parameters (marked, and skipped where not installed)
+PULL_ENGINES = [
+    pytest.param(
+        "nixl",
+        marks=[
+            pytest.mark.nixl,
+            pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="no nixl"),
+        ],
+    ),
+    pytest.param(
+        "mooncake_te",
+        marks=[
+            pytest.mark.mooncake,
+            pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="no mooncake"),
+        ],
+    ),
+]
 
 
 class PullHarness(Harness):

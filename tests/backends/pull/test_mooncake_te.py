@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -19,7 +20,13 @@ from _threads import errors_in_threads
 
 from vllm_omni_kv.backends.pool import BufferAllocator, ManagedBuffer, MemoryPool
 from vllm_omni_kv.backends.pull.side_channel import SideChannelClient, SideChannelServer
-from vllm_omni_kv.errors import ConfigError, KVPayloadError, KVTransferError, KVTransferTimeout
+from vllm_omni_kv.errors import (
+    ConfigError,
+    KVPayloadError,
+    KVTransferCancelled,
+    KVTransferError,
+    KVTransferTimeout,
+)
 from vllm_omni_kv.kvcache import device_order
 from vllm_omni_kv.testing.fake_streams import RecordingStreams
 from vllm_omni_kv.wire import codec
@@ -756,3 +763,87 @@ def test_a_read_the_binding_refuses_to_submit_goes_through_its_synchronous_read(
     eng.read("127.0.0.1:1", 1 << 20, 2 << 20, 4096)
     eng.read_many("127.0.0.1:1", [(1 << 20, 2 << 20, 4096), (3 << 20, 4 << 20, 4096)])
     assert eng.engine.sync_reads == 2
+
+
+class _Slow:
+    """A binding whose one-range reads run until ``ends_at`` (a transfer that outlives the
+    read's bound, as a real one does only over a slow link) and whose submit raises for
+    a range it cannot take (a remote address past 64 bits, as pybind11 refuses it)."""
+
+    def __init__(self, ends_at: float) -> None:
+        self.ends_at, self.polls = ends_at, {}  # batch id -> polls
+
+    def batch_transfer_async_read(self, _s: str, _l: Any, remote: list[int], _n: Any) -> int:
+        if remote[0] >= 1 << 64:
+            raise TypeError("batch_transfer_async_read(): incompatible function arguments")
+        bid = 1000 + len(self.polls)
+        self.polls[bid] = 0
+        return bid
+
+    def transfer_check_status(self, bid: int) -> int:
+        self.polls[bid] += 1
+        return 1 if time.monotonic() >= self.ends_at else 0
+
+
+def _slow_engine(ends_in: float) -> Any:
+    pytest.importorskip("mooncake.engine", reason="mooncake-transfer-engine is not installed")
+    from vllm_omni_kv.backends.pull.mooncake import MooncakeEngine
+
+    eng = object.__new__(MooncakeEngine)
+    eng.engine, eng._polled = _Slow(time.monotonic() + ends_in), True
+    return eng
+
+
+def test_a_polled_read_never_returns_while_its_transfer_runs(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A transfer still running past the read's bound is waited for to its end (the
+    caller frees the destination once the read returns), with a warning; it used to be
+    left running while the read raised, and its destination was reused under it."""
+    from vllm_omni_kv.backends.pull import mooncake
+
+    monkeypatch.setattr(mooncake, "_sync_timeout_s", lambda _n: 0.1)
+    eng = _slow_engine(0.6)
+    t0 = time.monotonic()
+    eng.read_many("127.0.0.1:1", [(1 << 20, 2 << 20, 4096), (3 << 20, 4 << 20, 4096)])
+    assert time.monotonic() - t0 >= 0.55
+    assert "still runs" in caplog.text
+
+
+def test_a_submit_that_raises_waits_for_the_ranges_already_in_flight() -> None:
+    """The second range's submit raises: the first, already in flight, is polled to its
+    end (and so freed by the binding) before the error reaches the caller."""
+    eng = _slow_engine(0.3)
+    t0 = time.monotonic()
+    with pytest.raises(TypeError):
+        eng.read_many("127.0.0.1:1", [(1 << 20, 2 << 20, 4096), (3 << 20, 1 << 64, 4096)])
+    assert time.monotonic() - t0 >= 0.25
+    assert list(eng.engine.polls) == [1000] and eng.engine.polls[1000] > 1
+
+
+@pytest.mark.mooncake
+@pytest.mark.slow
+def test_a_cancelled_raw_pull_keeps_its_block_until_the_read_ends() -> None:
+    """A raw (fast-path) pull is cancelled while its engine read stalls (the sender
+    SIGSTOPped): the load raises ``KVTransferCancelled``, and closing the stream does not
+    give the receive block back while the read may still write into it (the next
+    allocation would get it); once the read ends, it is freed."""
+    with _sender_and_receiver(64, side_channel_timeout_s=1.0, transfer_timeout_s=30.0) as (
+        proc,
+        r,
+        pid,
+    ):
+        meta = proc.call(op="put", key="big", data=torch.ones(8 << 20, dtype=torch.uint8))["meta"]
+        used = r.pool.allocator.used
+        stream = r.open_stream("0", "1", "big", meta)
+        assert stream is not None
+        pause(pid)
+        cancel = threading.Event()
+        threading.Timer(0.3, cancel.set).start()
+        with pytest.raises(KVTransferCancelled):
+            for _ in stream.load(None, time.monotonic() + 30, cancel):
+                pass
+        stream.close()
+        assert r.pool.allocator.used > used, "the block was freed under a running read"
+        os.kill(pid, signal.SIGCONT)
+        assert wait_until(lambda: r.pool.allocator.used == used, 30), r.health()

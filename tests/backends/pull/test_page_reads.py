@@ -7,16 +7,16 @@ Mooncake TCP on 127.0.0.1, both in this process) move 4, 64 and 1,024 shuffled p
 layer; the receiver's transport object is wrapped to count its calls. NIXL posts one
 transfer per move, made by index into two prepared lists (prepared on the first move
 only); Mooncake posts one batch per 2,048 ranges (its limit). The pages are compared
-with the sender's with ``torch.equal``. A packed frame of tensors is pulled in two
-transfers at any size: its head and digest trailer, then its body, no byte twice; a frame
-of at most 16 KiB comes with the sender's acquire reply (no transfer), but never from the
-caller's metadata.
+with the sender's with ``torch.equal``. A packed frame of tensors is pulled in at most two
+transfers at any size: its head and digest trailer (which the sender's acquire reply
+carries when they fit in 16 KiB), then its body, no byte twice; a frame of at most 16 KiB
+comes with the reply whole (no transfer), but never from the caller's metadata
+(:mod:`.test_acquire_replies` checks what a reply may carry).
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import math
 import random
 import time
@@ -35,7 +35,7 @@ from vllm_omni_kv.kvcache.move_plan import MovePlan, Pages
 from vllm_omni_kv.kvcache.shared_pages import describe_request, layer_geometry, shared_fields
 from vllm_omni_kv.wire import codec
 
-from ..conformance import nixl_config, pull_backend, te_config
+from ..conformance import PULL_ENGINES, pull_backend
 
 LAYERS, BLOCKS, HEADS, BS, DIM = 3, 1100, 2, 16, 32
 PAGE = HEADS * BS * 2 * DIM * 4  # fp32 K|V: 8 KiB
@@ -141,32 +141,13 @@ class Counting:
         self.args.clear()
 
 
-ENGINES = [
-    pytest.param(
-        "nixl",
-        marks=[
-            pytest.mark.nixl,
-            pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="no nixl"),
-        ],
-    ),
-    pytest.param(
-        "mooncake_te",
-        marks=[
-            pytest.mark.mooncake,
-            pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="no mooncake"),
-        ],
-    ),
-]
-CONFIG = {"mooncake_te": te_config, "nixl": nixl_config}
-
-
 class Pair:
     """A sender and a receiver connector, each with a registered, vLLM-like cache."""
 
     def __init__(self, engine: str) -> None:
-        cls = pull_backend(engine)[0]
-        self.sender = cls(CONFIG[engine]("sender", pool_mib=8, register_cache=True))
-        self.receiver = cls(CONFIG[engine]("receiver", pool_mib=8, register_cache=True))
+        cls, config = pull_backend(engine)
+        self.sender = cls(config("sender", pool_mib=8, register_cache=True))
+        self.receiver = cls(config("receiver", pool_mib=8, register_cache=True))
         info = self.sender.get_connection_info()
         self.receiver.update_sender_info(info["host"], info["zmq_port"])
         self.src_buf, self.src = self._cache(self.sender, seed=7)
@@ -221,7 +202,7 @@ class Pair:
         self.sender.close()
 
 
-@pytest.fixture(scope="module", params=ENGINES)
+@pytest.fixture(scope="module", params=PULL_ENGINES)
 def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
     p = Pair(request.param)
     try:
@@ -312,26 +293,42 @@ def _transfers(inner: Counting) -> int:
     return n
 
 
-def test_a_frame_is_pulled_in_two_transfers_at_any_size(pair: Pair) -> None:
-    """A packed frame of tensors: its prelude, header and digest trailer (first and last bytes)
-    in one transfer when the stream opens, its body in one more when it loads; the same
-    two at 256 KiB and 4 MiB."""
-    opened, pulled = {}, {}
+def _frame_transfers(pair: Pair, data: dict[str, Any], planned: bool) -> tuple[int, int]:
+    """Transfers posted while a stream on ``data`` opens and in all, its load checked
+    against ``data``; ``planned``: opened from the put's metadata (no ``acquire``)."""
+    key = f"frame-{uuid.uuid4().hex[:8]}"
+    _ok, _size, meta = pair.sender.put(FROM, TO, key, data)
     with counting(pair) as (inner, _nixl):
-        for mib4 in (1, 16):  # quarter MiB
-            data = {"kv": torch.randint(0, 1 << 30, (mib4 << 16,), dtype=torch.int32)}
-            key = f"frame-{mib4}"
-            _ok, _size, meta = pair.sender.put(FROM, TO, key, data)
-            inner.clear()
-            stream = pair.receiver.open_stream(FROM, TO, key, meta)
-            assert stream is not None
-            with stream:
-                opened[mib4] = _transfers(inner)
-                for _ in stream.load(None, time.monotonic() + 20):
-                    pass
-                assert torch.equal(stream.obj["kv"], data["kv"])
-            pulled[mib4] = _transfers(inner)
-    assert opened == {1: 1, 16: 1} and pulled == {1: 2, 16: 2}, (opened, pulled)
+        stream = pair.receiver.open_stream(FROM, TO, key, meta if planned else None)
+        assert stream is not None
+        with stream:
+            opened = _transfers(inner)
+            for _ in stream.load(None, time.monotonic() + 20):
+                pass
+            for name, value in data.items():
+                assert torch.equal(stream.obj[name], value)
+        return opened, _transfers(inner)
+
+
+@pytest.mark.parametrize("planned", [False, True], ids=["acquired", "planned"])
+def test_a_frame_is_pulled_in_at_most_two_transfers_at_any_size(pair: Pair, planned: bool) -> None:
+    """A packed frame of tensors, 256 KiB and 4 MiB: opened through an ``acquire``, its
+    prelude, header and digest trailer come with the sender's reply and the load pulls its
+    body in one transfer; opened from the put's metadata (no reply), the head and trailer
+    (first and last bytes) take one transfer when the stream opens."""
+    for mib4 in (1, 16):  # quarter MiB
+        data = {"kv": torch.randint(0, 1 << 30, (mib4 << 16,), dtype=torch.int32)}
+        assert _frame_transfers(pair, data, planned) == ((1, 2) if planned else (0, 1))
+
+
+def test_a_frame_whose_head_is_too_large_for_the_reply_is_pulled(pair: Pair) -> None:
+    """A head and trailer over 16 KiB together (hundreds of tensors) do not go in the
+    ``acquire`` reply: the stream pulls them when it opens."""
+    data = {f"layer.{i}.kv_cache": torch.full((64,), i, dtype=torch.int32) for i in range(350)}
+    frame = bytes(codec.encode(data).to_bytearray())
+    p = codec.read_prelude(frame, len(frame))
+    assert p.data_start <= 16 << 10 < p.data_start + p.trailer_len  # one transfer opens it
+    assert _frame_transfers(pair, data, planned=False) == (1, 2)
 
 
 def _read_bytes(args: list[tuple[str, tuple[Any, ...]]]) -> int:
@@ -346,23 +343,33 @@ def _read_bytes(args: list[tuple[str, tuple[Any, ...]]]) -> int:
     return n
 
 
+@pytest.mark.parametrize("planned", [False, True], ids=["acquired", "planned"])
 @pytest.mark.parametrize(
     "shape",
     ["256 KiB", "4 MiB", "4 MiB + blob"],
 )
-def test_no_byte_of_a_frame_is_pulled_twice(pair: Pair, shape: str) -> None:
-    """Opening pulls a frame's first and last bytes; the load pulls the rest and nothing
-    it already has (the trailer's last chunk, a blob that decoding needed): the bytes
-    pulled add up to the frame's size, counted by the stream and (Mooncake) by the
-    lengths its engine was asked to read."""
+def test_no_byte_of_a_frame_is_pulled_twice(pair: Pair, shape: str, planned: bool) -> None:
+    """The frame's first and last bytes (pulled when the stream opens, or carried by the
+    ``acquire`` reply) and the load's ranges never overlap (the trailer's last chunk, a
+    blob that decoding needed): the bytes moved add up to the frame's size (opened from the
+    put's metadata) or to its head, trailer and data (through an ``acquire``), counted by the
+    stream, and (Mooncake) the engine is asked for exactly the bytes no reply carried."""
     n = (1 << 16) if shape == "256 KiB" else (1 << 20)
     data: dict[str, Any] = {"kv": torch.randint(0, 1 << 30, (n,), dtype=torch.int32)}
     if "blob" in shape:
         data["note"] = bytes(random.Random(5).randbytes(300_000))
     key = f"once-{uuid.uuid4().hex[:8]}"
     _ok, size, meta = pair.sender.put(FROM, TO, key, data)
+    frame = bytes(codec.encode(data).to_bytearray())
+    p = codec.read_prelude(frame, len(frame))
+    carried = 0 if planned else p.data_start + p.trailer_len
+    # what a load needs: the head, the trailer and the data spans (the padding between
+    # spans is covered by nothing); opening a planned pull also takes the padding near
+    # the frame's ends, within its first and last bytes
+    spans = data["kv"].numel() * 4 + len(data.get("note", b""))
+    want = size if planned else carried + spans
     with counting(pair) as (inner, nixl):
-        stream = pair.receiver.open_stream(FROM, TO, key, meta)
+        stream = pair.receiver.open_stream(FROM, TO, key, meta if planned else None)
         assert stream is not None
         with stream:
             for _ in stream.load(None, time.monotonic() + 20):
@@ -370,9 +377,9 @@ def test_no_byte_of_a_frame_is_pulled_twice(pair: Pair, shape: str) -> None:
             assert torch.equal(stream.obj["kv"], data["kv"])
             assert stream.obj.get("note") == data.get("note")
             moved = stream.moved
-    assert moved == size, (moved, size)
+    assert moved == want, (moved, want, size)
     if not nixl:
-        assert _read_bytes(inner.args) == size
+        assert _read_bytes(inner.args) == want - carried
 
 
 @pytest.mark.parametrize("kind", ["frame", "tensor"])

@@ -17,8 +17,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from vllm_omni_kv.backends.pull.puller import Puller, PullFailed
-from vllm_omni_kv.errors import KVTransferTimeout
+from vllm_omni_kv.backends.pull.puller import Puller, PullFailed, when_reads_end
+from vllm_omni_kv.errors import KVTransferCancelled, KVTransferTimeout
 
 
 class _TimingOutEngine:
@@ -52,34 +52,35 @@ def test_a_read_that_raises_timeout_error_fails_at_once_with_its_error(
     pool: cf.ThreadPoolExecutor,
 ) -> None:
     """A ``TimeoutError`` raised by the read itself is its failure, not "still running":
-    the pull fails well before its 10 s timeout, naming the engine's error, and the
-    destination is not handed to an abandon callback (nothing runs any more)."""
+    the pull fails well before its 10 s timeout, naming the engine's error, and its read
+    has ended (the destination can be given back at once)."""
     puller = Puller(_TimingOutEngine(), pool, timeout_s=10.0)  # type: ignore[arg-type]
-    abandoned: list[bool] = []
+    track: list[cf.Future[None]] = []
     t0 = time.monotonic()
     with pytest.raises(PullFailed, match="socket read timed out inside the engine"):
-        puller.read(
-            "s", 0, 0, 64, time.monotonic() + 10, threading.Event(), what="k",
-            on_abandon=lambda: abandoned.append(True),
-        )  # fmt: skip
+        puller.read("s", 0, 0, 64, time.monotonic() + 10, threading.Event(), what="k", track=track)
     assert time.monotonic() - t0 < 5.0, "the failed read was waited on until its timeout"
-    assert not abandoned
+    assert [f.done() for f in track] == [True]
 
 
-def test_a_stalled_read_is_abandoned_and_its_destination_kept_until_it_ends(
-    pool: cf.ThreadPoolExecutor,
+@pytest.mark.parametrize("how", ["timeout", "cancel"])
+def test_an_abandoned_read_keeps_its_destination_until_it_ends(
+    pool: cf.ThreadPoolExecutor, how: str
 ) -> None:
-    """Past the timeout the pull raises ``KVTransferTimeout``; the abandon callback (which
-    frees the destination) runs only once the engine's read has returned."""
+    """Past the timeout the pull raises ``KVTransferTimeout``, on its cancel event
+    ``KVTransferCancelled``; either way the destination (freed by :func:`when_reads_end`
+    on the tracked read) is given back only once the engine's read has returned."""
     engine = _BlockedEngine()
-    puller = Puller(engine, pool, timeout_s=0.3)  # type: ignore[arg-type]
-    freed = threading.Event()
+    puller = Puller(engine, pool, timeout_s=0.3 if how == "timeout" else 30)  # type: ignore[arg-type]
+    cancel = threading.Event()
+    if how == "cancel":
+        threading.Timer(0.2, cancel.set).start()
     track: list[cf.Future[None]] = []
-    with pytest.raises(KVTransferTimeout, match="stalled past"):
-        puller.read(
-            "s", 0, 0, 64, time.monotonic() + 10, None, what="k",
-            on_abandon=freed.set, track=track,
-        )  # fmt: skip
+    err = KVTransferTimeout if how == "timeout" else KVTransferCancelled
+    with pytest.raises(err):
+        puller.read("s", 0, 0, 64, time.monotonic() + 10, cancel, what="k", track=track)
+    freed = threading.Event()
+    when_reads_end(track, freed.set)
     assert not freed.wait(0.5), "the destination was freed while the read still ran"
     assert [f.done() for f in track] == [False]
     engine.go.set()

@@ -1,8 +1,10 @@
 """A real sender (Mooncake TE, in its own process) under a network attacker's side-channel
 attacks: floods of peers and of max-size messages with and without the key (bounded
 memory, legitimate acquires still served), a flood of releases (acquires never locked
-out), keyed requests replayed to another sender or to a restarted one (refused), and
-forged holder ids (nobody else's lease dropped)."""
+out), keyed requests replayed to another sender or to a restarted one (refused),
+forged holder ids (nobody else's lease dropped), endless acquires of a block every
+receiver may pull (a bounded lease table) and requests whose op is not a string (refused
+and charged)."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import pytest
 import torch
 
 from vllm_omni_kv.backends.pull.envelope import body_of, open_header, seal
+from vllm_omni_kv.backends.pull.exposure import MAX_LEASES
 from vllm_omni_kv.backends.pull.sender_requests import SenderRequests
 from vllm_omni_kv.backends.pull.side_channel import (
     MAX_PEERS,
@@ -324,3 +327,40 @@ def test_a_forged_holder_cannot_drop_anothers_lease(plain: tuple[SenderProcess, 
     finally:
         attacker.close()
         victim.close()
+
+
+def test_a_peer_that_acquires_without_end_holds_at_most_max_leases() -> None:
+    """A block every receiver may pull (``max_pulls: 0``) is leased to at most
+    ``MAX_LEASES`` pulls at once: a peer that acquires again and again (naming no holder,
+    so each acquire is a new receiver) gets "exhausted" past them, the sender's lease
+    table stops growing, and a lease given back makes room for the next receiver."""
+    proc, endpoint = _sender(None)
+    client = SideChannelClient(5.0)
+    acquire = {"op": "acquire", "key": KEY, "lease_s": 60.0}
+    try:
+        replies = [client.request(endpoint, acquire) for _ in range(MAX_LEASES + 20)]
+        granted = [r["lease"] for r in replies if r["ok"]]
+        assert len(granted) == MAX_LEASES, len(granted)
+        assert {r.get("reason") for r in replies if not r["ok"]} == {"exhausted"}
+        assert proc.call(op="health")["health"]["active_leases"] == MAX_LEASES
+        client.request(endpoint, {"op": "release", "lease": granted[0], "success": True})
+        assert client.request(endpoint, acquire)["ok"]
+    finally:
+        client.close()
+        proc.stop()
+
+
+def test_an_op_that_is_not_a_string_is_refused_and_charged() -> None:
+    """A request whose ``op`` is a list or a map (unhashable) is answered with an error,
+    and pays the rate limit like any request: past the budget the sender says busy."""
+    proc, endpoint = _sender(None, side_channel_max_rate=5)
+    client = SideChannelClient(5.0)
+    try:
+        replies = [client.request(endpoint, {"op": op}) for op in ([1], {"a": 1}) * 20]
+        reasons = [r.get("reason") for r in replies]
+        assert not any(r["ok"] for r in replies)
+        assert set(reasons) == {"error", "busy"}, reasons
+        assert all("unknown side-channel op" in r["error"] for r in replies if "error" in r)
+    finally:
+        client.close()
+        proc.stop()

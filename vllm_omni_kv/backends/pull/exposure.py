@@ -11,7 +11,9 @@ or when it is retired (cleanup / replaced by a newer put) and its last lease
 ends. A small block in a host pool (at most :data:`INLINE_MAX` bytes: a ``register_cache``
 payload's frame of block ids and geometry, a small tensor) travels in the ``acquire`` reply
 itself (``frame``), which saves the receiver an engine transfer; the lease and the release
-are the same. All methods are thread-safe.
+are the same. A larger frame in a host pool whose prelude, header and digest trailer
+together fit in :data:`INLINE_MAX` bytes sends those (``head``, ``tail`` at ``tail_at``)
+instead: the receiver then pulls only the data it loads. All methods are thread-safe.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_omni_kv.backends.pool import ManagedBuffer
+from vllm_omni_kv.errors import KVPayloadError
 from vllm_omni_kv.logger import init_logger
+from vllm_omni_kv.wire.prelude import PRELUDE_SIZE, read_prelude
 
 logger = init_logger(__name__)
 
@@ -33,6 +37,9 @@ logger = init_logger(__name__)
 LEASE_SLACK_S = 5.0
 #: a block of at most this many bytes in a host pool is sent in the ``acquire`` reply
 INLINE_MAX = 16 << 10
+#: leases one block holds at once, ``max_pulls: 0`` too (receivers past it wait for one to
+#: end): a peer that acquires without end cannot grow the table
+MAX_LEASES = 64
 
 
 @dataclass
@@ -52,6 +59,22 @@ class Exposure:
     retired: bool = False
     extended: float = 0.0  # the monotonic deadline a consumer extended its lease to
     inline: bool = False  # a small block in host memory: its bytes go with the acquire reply
+    edges: tuple[int, int, int] | None = None  # a larger host frame: head end, trailer span
+
+
+def frame_edges(address: int, size: int) -> tuple[int, int, int] | None:
+    """``(data_start, trailer_start, total)`` of the frame in the host memory at
+    ``address`` when its head and trailer fit in :data:`INLINE_MAX` bytes together, else
+    None (also for bytes that are not a frame)."""
+    if size < PRELUDE_SIZE:
+        return None
+    try:
+        p = read_prelude(ctypes.string_at(address, PRELUDE_SIZE), size)
+    except KVPayloadError:
+        return None
+    if p.data_start + p.trailer_len > INLINE_MAX:
+        return None
+    return p.data_start, p.trailer_start, p.total
 
 
 def _forget_holder(e: Exposure, lease: str | None) -> None:
@@ -98,6 +121,8 @@ class ExposureTable:
             unlimited=self.max_pulls == 0,
             inline=host and size <= INLINE_MAX,
         )
+        if host and not fast and not e.inline:
+            e.edges = frame_edges(buf.address, size)
         with self._lock:
             old = self._by_key.get(key)
             if old is not None:  # a re-put replaces the key; the old block ends with its leases
@@ -141,7 +166,8 @@ class ExposureTable:
                 stale = e.holders.get(holder)
                 if stale is not None:
                     self._drop_lease_locked(e, stale)
-            if not e.unlimited and e.remaining - len(e.leases) <= 0:
+            room = MAX_LEASES if e.unlimited else min(MAX_LEASES, e.remaining)
+            if len(e.leases) >= room:
                 return {"ok": False, "reason": "exhausted"}
             lease = uuid.uuid4().hex
             e.leases[lease] = time.monotonic() + lease_s + self.lease_slack_s
@@ -159,6 +185,11 @@ class ExposureTable:
             }
             if e.inline:  # the block stays ours while the lock is held
                 reply["frame"] = ctypes.string_at(e.buf.address, e.size)
+            elif e.edges is not None:
+                head, tail_at, end = e.edges
+                reply["head"] = ctypes.string_at(e.buf.address, head)
+                reply["tail_at"] = tail_at
+                reply["tail"] = ctypes.string_at(e.buf.address + tail_at, end - tail_at)
             return reply
 
     def release(self, token: str, lease: str | None, success: bool) -> dict[str, Any]:

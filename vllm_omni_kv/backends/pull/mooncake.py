@@ -233,33 +233,44 @@ class MooncakeEngine:
     def _read_polled(self, session: str, reads: list[tuple[int, int, int]]) -> bool:
         """Each range as a batch of one, all in flight, then waited for. False where the
         binding would not submit one (the caller reads them all synchronously, once none
-        runs); a range that failed raises, once none runs."""
-        bids, refused = [], False
-        for local, remote, n in reads:
-            bid = self.engine.batch_transfer_async_read(session, [local], [remote], [n])
-            if bid in _NO_BATCH:
-                refused = True
-                break
-            bids.append(bid)
-        bound = _sync_timeout_s(sum(r[2] for r in reads))
-        state = self._wait(bids, time.monotonic() + bound)
+        runs); a range that failed raises, once none runs. A submit that raises (a range
+        the binding cannot take) also waits for the ranges already in flight."""
+        bids: list[int] = []
+        refused = False
+        try:
+            for local, remote, n in reads:
+                bid = self.engine.batch_transfer_async_read(session, [local], [remote], [n])
+                if bid in _NO_BATCH:
+                    refused = True
+                    break
+                bids.append(bid)
+        finally:
+            state = self._wait(bids, _sync_timeout_s(sum(r[2] for r in reads)), session)
         if state == 1:
             return not refused
-        why = {-1: "failed", -2: "timed out"}.get(state, f"did not end in {bound:.0f} s")
+        why = "failed" if state == -1 else "timed out in the engine"
         raise KVTransferError(
             f"Mooncake read of {len(reads)} range(s) from {session} {why}: the sender is "
             "gone, stalled, or its buffer is no longer registered"
         )
 
-    def _wait(self, bids: list[int], limit: float) -> int:
+    def _wait(self, bids: list[int], bound_s: float, session: str) -> int:
         """Poll every batch to its end: 1 when all completed, else the state of one that
-        did not (-1 failed, -2 timed out, 0 still running at ``limit``: it and the rest
-        stay allocated, since freeing a running batch is not safe)."""
+        did not (-1 failed, -2 timed out in the engine). Never returns while one runs: its
+        destination may be freed once this returns (past ``bound_s`` it warns, and the
+        caller, which stopped waiting at its own timeout, keeps the destination)."""
         backoff, worst = Backoff(), 1
+        limit, warned = time.monotonic() + bound_s, False
         for bid in bids:
             while (state := self.engine.transfer_check_status(bid)) == 0:
-                if time.monotonic() > limit:
-                    return 0
+                if not warned and time.monotonic() > limit:
+                    warned = True
+                    logger.warning(
+                        "a Mooncake read from %s still runs %.0f s after it started; its "
+                        "destination stays allocated until the engine ends it",
+                        session,
+                        bound_s,
+                    )
                 backoff.sleep()
             worst = worst if state == 1 else state
         return worst

@@ -236,7 +236,7 @@ class PullTransferConnector(OmniConnectorBase):
         None when the key is not there (yet); side-channel timeouts are reported by
         :meth:`_timed_out`.
         """
-        md = {k: v for k, v in (metadata or {}).items() if k != "frame"}  # only from acquire
+        md = {k: v for k, v in (metadata or {}).items() if k not in ps.REPLY_ONLY}
         if all(md.get(k) is not None for k in ("data_size", "src_addr", "session", "token")):
             return md, None
         assert self._client is not None
@@ -310,7 +310,7 @@ class PullTransferConnector(OmniConnectorBase):
         deadline = time.monotonic() + self.transfer_timeout_s
         return PullFrameStream(
             self._puller, session, src, size, local, lease, what=repr(key), deadline=deadline,
-            inline=inline)  # fmt: skip
+            inline=inline, edges=ps.edges_of(md, size))  # fmt: skip
 
     def get(
         self, from_stage: str, to_stage: str, get_key: str, metadata: dict[str, Any] | None = None

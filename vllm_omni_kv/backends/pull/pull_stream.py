@@ -1,7 +1,8 @@
 """Receive streams of the pull connector: ranged engine reads into a local pool block.
 
 :class:`PullFrameStream` pulls a frame's prelude, header and digest trailer when it opens
-(its first and last bytes, in one transfer), then ``load(spans)`` pulls only the
+(its first and last bytes, in one transfer; nothing when the sender's ``acquire`` reply
+carried them, :func:`edges_of`), then ``load(spans)`` pulls only the
 chunk-aligned byte ranges covering ``spans`` (one engine read per merged range; bytes
 already pulled, such as the trailer's chunk or the blobs decoding needed, are not pulled
 again) and verifies each chunk before it is handed out (xxh3 digests of frames packed on
@@ -30,8 +31,9 @@ from typing import Any
 from vllm_omni_kv.backends.pool import ManagedBuffer
 from vllm_omni_kv.backends.pull.held_spans import HeldSpans
 from vllm_omni_kv.backends.pull.puller import Puller, PullFailed, when_reads_end
-from vllm_omni_kv.errors import KVTransferError, KVTransferTimeout
+from vllm_omni_kv.errors import KVTransferError
 from vllm_omni_kv.wire import codec
+from vllm_omni_kv.wire.prelude import PRELUDE_SIZE
 from vllm_omni_kv.wire.stream import (
     ALL_READY,
     ChunkedStream,
@@ -50,6 +52,14 @@ HEAD_PULL = 16 << 10
 TAIL_PULL = 32 << 10
 
 
+#: one past the last byte a 64-bit address names
+ADDRESS_END = 1 << 64
+
+#: frame bytes only a sender's ``acquire`` reply may carry (never a caller's metadata:
+#: ``kv_transfer_params`` come from clients)
+REPLY_ONLY = frozenset(("frame", "head", "tail_at", "tail"))
+
+
 def inline_of(md: dict[str, Any], size: int) -> bytes | None:
     """The block's bytes as the sender's ``acquire`` reply carried them (taken out of
     ``md``): exactly ``size`` bytes, else None (the block is pulled)."""
@@ -57,12 +67,30 @@ def inline_of(md: dict[str, Any], size: int) -> bytes | None:
     return got if type(got) is bytes and len(got) == size else None
 
 
+def edges_of(md: dict[str, Any], size: int) -> tuple[bytes, int, bytes] | None:
+    """``(head, tail_at, tail)``: a frame's first bytes and the bytes at ``tail_at`` as the
+    sender's ``acquire`` reply carried them (taken out of ``md``), when both lie within
+    ``size`` bytes and the head holds a prelude, else None (they are pulled). The frame's
+    own checksum verifies them like pulled bytes."""
+    head, tail_at, tail = md.pop("head", None), md.pop("tail_at", None), md.pop("tail", None)
+    if type(head) is not bytes or type(tail) is not bytes or type(tail_at) is not int:
+        return None
+    if not PRELUDE_SIZE <= len(head) <= size or not 0 <= tail_at <= size - len(tail):
+        return None
+    return head, tail_at, tail
+
+
 def block_of(md: dict[str, Any]) -> tuple[int, int]:
-    """``(data_size, src_addr)`` of a sender's block: non-negative integers (the sender's
-    reply is not trusted), else :class:`PullFailed`."""
-    size, src = md.get("data_size"), md.get("src_addr")
+    """``(data_size, src_addr)`` of a sender's block: non-negative integers that name
+    64-bit addresses, at a named engine ``session`` (the sender's reply is not trusted),
+    else :class:`PullFailed`."""
+    size, src, session = md.get("data_size"), md.get("src_addr"), md.get("session")
     if type(size) is not int or type(src) is not int or size < 0 or src < 0:
         raise PullFailed(f"the sender named a block of {size!r} bytes at {src!r}: not a block")
+    if src + size > ADDRESS_END:
+        raise PullFailed(f"the sender named a block of {size} bytes at {src:#x}: past the end")
+    if type(session) is not str or not session:
+        raise PullFailed(f"the sender named engine session {session!r}: not a session")
     return size, src
 
 
@@ -117,7 +145,7 @@ class LeaseBook:
 class PullFrameStream(ChunkedStream):
     """A frame pulled range by range into ``local`` (a host pool block). ``inline``: the
     frame's bytes from the sender's ``acquire`` reply (:func:`inline_of`): nothing is
-    pulled then."""
+    pulled then; ``edges``: its head and trailer from that reply (:func:`edges_of`)."""
 
     def __init__(
         self,
@@ -132,6 +160,7 @@ class PullFrameStream(ChunkedStream):
         deadline: float,
         cancel: threading.Event | None = None,
         inline: bytes | None = None,
+        edges: tuple[bytes, int, bytes] | None = None,
     ) -> None:
         self._puller, self._session, self._src, self._lease = puller, session, src_addr, lease
         self._what, self._local = what, local
@@ -148,11 +177,13 @@ class PullFrameStream(ChunkedStream):
             mv = memoryview(view).cast("B")
             self._mv = mv
             if inline is not None:  # came with the acquire reply
-                ctypes.memmove(local.address, inline, size)
-                self._have.add(0, size)
-                self.moved = size
-            head = size if size <= SMALL_FRAME else min(size, HEAD_PULL)
-            self._pull_ranges([(0, head), (size - TAIL_PULL, size)], deadline, cancel)
+                self._copy_in(0, inline)
+            elif edges is not None:
+                self._copy_in(0, edges[0])
+                self._copy_in(edges[1], edges[2])
+            else:
+                head = size if size <= SMALL_FRAME else min(size, HEAD_PULL)
+                self._pull_ranges([(0, head), (size - TAIL_PULL, size)], deadline, cancel)
             p = codec.read_prelude(mv, size)
             self._pull_ranges([(0, p.data_start), (p.trailer_start, p.total)], deadline, cancel)
             info = codec.parse(mv, size, verify_head=True, require_checksum=puller.require_digests)
@@ -161,6 +192,12 @@ class PullFrameStream(ChunkedStream):
             self._lease.end(False)
             self.close()  # frees the block once no read into it runs
             raise
+
+    def _copy_in(self, at: int, got: bytes) -> None:
+        """Place frame bytes the sender's reply carried at offset ``at`` (within the block)."""
+        ctypes.memmove(self._base + at, got, len(got))
+        self._have.add(at, at + len(got))
+        self.moved += len(got)
 
     def _release_when_idle(self) -> None:
         """Free the receive block of a stream that failed to open, or closed without a
@@ -250,7 +287,8 @@ class RawPullStream(PayloadStream):
         self._inline = inline
         self.size = size
         self.obj = None if frame else local
-        self._loaded = self._started = self._in_flight = False
+        self._loaded = self._started = False
+        self._reads: list[cf.Future[None]] = []  # the engine read into ``local``, once asked
 
     def load(
         self,
@@ -274,11 +312,10 @@ class RawPullStream(PayloadStream):
                     deadline,
                     cancel,
                     what=self._what,
-                    on_abandon=self._local.release,
+                    track=self._reads,
                 )
             self.moved = self.size
-        except BaseException as e:
-            self._in_flight = isinstance(e, KVTransferTimeout)  # released when the read ends
+        except BaseException:
             self._lease.end(False)
             raise
         if not self._lease.end(True):
@@ -296,6 +333,8 @@ class RawPullStream(PayloadStream):
 
     def close(self) -> None:
         self._lease.end(True)
-        if not self._loaded and not self._in_flight:
-            self._local.release()  # never handed out
+        if not self._loaded:  # never handed out: free it once no engine read runs into it
+            reads, self._reads = self._reads, []
+            when_reads_end(reads, self._local.release)
+        self._loaded = True  # (released once)
         self.obj = None

@@ -3,7 +3,8 @@
 :class:`Puller` runs each engine read (one range, several ranges as one batch, or one
 move's pages out of a registered cache) on the connector's pull threads, bounded by a
 timeout and a cancel event; a stalled read is abandoned and keeps its destination alive
-until it ends (:func:`when_reads_end`). Each thread is bound first to the CUDA device the
+until it ends (:func:`when_reads_end`), and so does a transfer an engine gave up on but
+cannot stop (:class:`ReadStillRunning`: its pull thread is free meanwhile). Each thread is bound first to the CUDA device the
 reads touch (:attr:`Puller.device`: a device pool's or registered cache's, else the
 device of the thread asking): engines move device memory with the calling thread's
 current device and context (UCX's CUDA transports need one; Mooncake otherwise bounces
@@ -16,6 +17,7 @@ import concurrent.futures as cf
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any, Protocol
 
 import torch
@@ -65,6 +67,43 @@ def register_memory(
 
 class PullFailed(KVTransferError):
     """An engine read failed, or the sender freed the block during the pull."""
+
+
+class ReadStillRunning(KVTransferError):
+    """An engine read gave up while its transfer may still write into the destination:
+    ``ended`` completes once no byte of it can land any more (the destination is kept
+    until then, without holding a pull thread). Not a ``TimeoutError``: futures' waits
+    take those for "not done"."""
+
+    def __init__(self, message: str, ended: cf.Future[None]) -> None:
+        super().__init__(message)
+        self.ended = ended
+
+
+def _landed(ended: cf.Future[None], _pin: tuple[Any, ...], _later: cf.Future[None]) -> None:
+    ended.set_result(None)
+
+
+def _never_ran(ended: cf.Future[None], fut: cf.Future[None]) -> None:
+    if fut.cancelled():  # the executor shut down before the read started
+        ended.set_result(None)
+
+
+def _run_read(ended: cf.Future[None], fn: Callable[..., None], *args: Any) -> None:
+    """Run one engine read on a pull thread; ``ended`` completes once no byte of it can
+    land: when it returns or raises, or for a :class:`ReadStillRunning`, when that
+    transfer ends (``args``, which pin the destination, are held until then)."""
+    later: cf.Future[None] | None = None
+    try:
+        fn(*args)
+    except ReadStillRunning as e:
+        later = e.ended
+        raise
+    finally:
+        if later is None:
+            ended.set_result(None)
+        else:
+            later.add_done_callback(partial(_landed, ended, args))
 
 
 def _engine_read(
@@ -147,20 +186,13 @@ class Puller:
         *,
         what: str,
         keep: Any = None,
-        on_abandon: Callable[[], None] | None = None,
         track: list[cf.Future[None]] | None = None,
     ) -> None:
-        """``track``: the read's future is appended to it (to wait for abandoned reads)."""
-        self._bounded(
-            (_engine_read, self.read_device(), self.engine, session, local, remote, n, keep),
-            session,
-            n,
-            deadline,
-            cancel,
-            what,
-            on_abandon,
-            track,
-        )
+        """``track``: a future that completes once no byte of the read can land any more
+        is appended to it; a destination is given back once it is done
+        (:func:`when_reads_end`), also after the read was abandoned."""
+        call = (_engine_read, self.read_device(), self.engine, session, local, remote, n, keep)
+        self._bounded(call, session, n, deadline, cancel, what, track)
 
     def read_many(
         self,
@@ -176,7 +208,7 @@ class Puller:
         """``(local, remote, bytes)`` reads from one session as one bounded transfer."""
         n = sum(r[2] for r in reads)
         call = (_engine_read_many, self.read_device(), self.engine, session, reads, keep)
-        self._bounded(call, session, n, deadline, cancel, what, None, track)
+        self._bounded(call, session, n, deadline, cancel, what, track)
 
     def read_pages(
         self,
@@ -190,7 +222,7 @@ class Puller:
     ) -> None:
         """One move's page reads from one session as one bounded transfer."""
         call = (_engine_read_pages, self.read_device(), self.engine, session, reads, keep)
-        self._bounded(call, session, reads.nbytes, deadline, None, what, None, track)
+        self._bounded(call, session, reads.nbytes, deadline, None, what, track)
 
     def _bounded(
         self,
@@ -200,15 +232,16 @@ class Puller:
         deadline: float,
         cancel: threading.Event | None,
         what: str,
-        on_abandon: Callable[[], None] | None,
         track: list[cf.Future[None]] | None,
     ) -> None:
+        ended: cf.Future[None] = cf.Future()
         try:
-            fut = self.executor.submit(*call)
+            fut = self.executor.submit(_run_read, ended, *call)
         except RuntimeError:
             raise KVTransferError("the connector is closed; create a new one") from None
+        fut.add_done_callback(partial(_never_ran, ended))
         if track is not None:
-            track.append(fut)
+            track.append(ended)
         limit = min(deadline, time.monotonic() + self.timeout_s)
         while True:
             now = time.monotonic()
@@ -228,8 +261,6 @@ class Puller:
                 raise PullFailed(f"pull of {what} ({n} bytes) from {session} failed: {why}")
             cancelled = cancel is not None and cancel.is_set()
             if cancelled or time.monotonic() >= limit:
-                if on_abandon is not None:
-                    fut.add_done_callback(lambda _f: on_abandon())
                 check_cancel(cancel, f"the pull of {what}")
                 raise KVTransferTimeout(
                     f"pull of {what} ({n} bytes) from {session} stalled past "

@@ -42,10 +42,10 @@ class SenderEndpoints:
         else the default sender."""
         md = metadata or {}
         if md.get("source_host") and md.get("source_port"):
-            return f"tcp://{md['source_host']}:{int(md['source_port'])}"
+            return f"tcp://{md['source_host']}:{_number(md, 'source_port')}"
         rank = md.get("sender_rank", md.get("from_rank"))
-        if rank is not None and int(rank) in self._ranks:
-            h, p = self._ranks[int(rank)]
+        if rank is not None and (n := _number(md, "sender_rank", "from_rank")) in self._ranks:
+            h, p = self._ranks[n]
             return f"tcp://{h}:{p}"
         if self.host and self.zmq_port:
             return f"tcp://{self.host}:{self.zmq_port}"
@@ -53,6 +53,15 @@ class SenderEndpoints:
             "no sender endpoint known for get(): pass metadata with source_host/source_port, "
             "or call update_sender_info(host, zmq_port) first"
         )
+
+
+def _number(md: dict[str, Any], *keys: str) -> int:
+    """The integer under the first of ``keys`` that ``md`` has, else ``KVTransferError``."""
+    key = next(k for k in keys if k in md)
+    try:
+        return int(md[key])
+    except (TypeError, ValueError, OverflowError):
+        raise KVTransferError(f"metadata {key} must be an integer, got {md[key]!r}") from None
 
 
 class SenderRequests:
@@ -66,8 +75,9 @@ class SenderRequests:
     def acquire(
         self, endpoint: str, key: str, lease_s: float, wait_s: float
     ) -> dict[str, Any] | None:
-        """Lease ``key`` for ``lease_s``: the sender's reply (address, size, kind, lease), or
-        None when the key did not appear within ``wait_s``."""
+        """Lease ``key`` for ``lease_s``: the sender's reply (address, size, kind, and a
+        lease id: a reply without one raises), or None when the key did not appear within
+        ``wait_s``."""
         deadline = time.monotonic() + wait_s
         delay = 0.005
         # one thread's gets are sequential: naming this thread by its holder id lets the
@@ -82,6 +92,10 @@ class SenderRequests:
             reply = self._client.request(endpoint, msg)
             self._learn_holder(holders, endpoint, reply)
             if reply.get("ok"):
+                if type(reply.get("lease")) is not str:
+                    raise KVTransferError(
+                        f"sender at {endpoint} granted {key!r} without a lease id"
+                    )
                 return reply
             if reply.get("reason") == "error":
                 raise KVTransferError(f"sender at {endpoint} failed: {reply.get('error')}")
