@@ -5,6 +5,7 @@ out (the consumer's memory stays held) and a dead one ends the wait."""
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import os
 import threading
@@ -193,6 +194,25 @@ def test_a_proven_sinks_writes_tables_and_aborts_need_its_token() -> None:
         sender.close()
 
 
+def _load(stream: Any, failed: list[str]) -> None:
+    """Load all of ``stream`` (then close it); a failure's message goes to ``failed``."""
+    try:
+        with stream:
+            for _ in stream.load(None, time.monotonic() + 30):
+                pass
+    except KVTransferError as e:
+        failed.append(str(e))
+
+
+def _held_until_killed(proc: SenderProcess, r: NixlPullConnector) -> None:
+    """``r``'s pool memory that paused ``proc``'s writes target is still held; once
+    ``proc`` is killed it is given back."""
+    assert r.pool.allocator.used > 0, "memory a paused producer may still write was freed"
+    proc.proc.kill()
+    proc.proc.join(10)
+    assert wait_until(lambda: r.pool.allocator.used == 0, 15), r.pool.stats()
+
+
 @pytest.mark.slow
 def test_a_paused_producer_is_waited_out_and_a_dead_one_ends_the_wait() -> None:
     """SIGSTOP the producer before the consumer asks for its writes: the load fails within
@@ -209,28 +229,91 @@ def test_a_paused_producer_is_waited_out_and_a_dead_one_ends_the_wait() -> None:
         assert stream is not None and stream.moved < stream.size
         pause(proc.proc.pid)  # every thread stopped: none may still serve the request
         failed: list[str] = []
-
-        def load() -> None:
-            try:
-                with stream:
-                    for _ in stream.load(None, time.monotonic() + 30):
-                        pass
-            except KVTransferError as e:
-                failed.append(str(e))
-
         t0 = time.monotonic()
-        t = threading.Thread(target=load)
+        t = threading.Thread(target=_load, args=(stream, failed))
         t.start()
         t.join(10)
         assert failed and time.monotonic() - t0 < 8.0, "the load did not fail in bounded time"
         time.sleep(2.0)
-        assert r.pool.allocator.used > 0, "memory a paused producer may still write was freed"
-        proc.proc.kill()
-        proc.proc.join(10)
-        assert wait_until(lambda: r.pool.allocator.used == 0, 10), r.pool.stats()
+        _held_until_killed(proc, r)
     finally:
         r.close()
         proc.stop()
+
+
+def test_moves_waited_out_on_a_paused_producer_leave_the_pull_threads_free() -> None:
+    """Six loads from a paused producer fail in bounded time and the memory their writes
+    target stays held, but no pull thread waits for that producer meanwhile (there are
+    four): pulls from a healthy producer go on at once. SIGKILL gives the memory back."""
+    proc = SenderProcess(nixl_config("sender", pool_mib=16), backend="nixl")
+    healthy = _conn("sender")
+    r = _conn(
+        "receiver", nixl_direction="write", transfer_timeout_s=1.0, side_channel_timeout_s=1.0
+    )
+    try:
+        data = {f"l{i}": torch.full((1024, 64), float(i)) for i in range(4)}
+        metas = [proc.call(op="put", key=f"p{i}", data=data)["meta"] for i in range(6)]
+        streams = [r.open_stream("0", "1", f"p{i}", m) for i, m in enumerate(metas)]
+        pause(proc.proc.pid)
+        failed: list[str] = []
+        loads = [threading.Thread(target=_load, args=(st, failed)) for st in streams]
+        for t in loads:
+            t.start()
+        for t in loads:
+            t.join(20)
+        assert len(failed) == 6, failed
+        t0 = time.monotonic()
+        assert pull_round_trip(healthy, r) is None
+        assert time.monotonic() - t0 < 5.0, "pulls from a healthy producer waited"
+        _held_until_killed(proc, r)
+    finally:
+        r.close()
+        healthy.close()
+        proc.stop()
+
+
+def test_threads_that_find_their_sink_forgotten_prove_it_once() -> None:
+    """The producer forgets a proven sink (what an eviction or a restart on the same port
+    does; made by clearing its table): eight threads' moves all get ``need_sink`` and each
+    would prove the sink again, replacing the token the others' writes just carried. One
+    proof per forgetting is made, and every move lands."""
+    sender = _conn("sender")
+    receiver = _conn("receiver", nixl_direction="write", transfer_timeout_s=10.0)
+    eng, session = receiver.engine, sender.engine.session  # type: ignore[attr-defined]
+    writes, sinks = eng._writes, sender.engine.writer._sinks  # type: ignore[attr-defined]
+    proofs: list[str] = []
+    prove_now = writes._prove_now
+    writes._prove_now = lambda *a: (proofs.append(a[0]), prove_now(*a))[1]
+    src = np.ctypeslib.as_array((ctypes.c_uint8 * (1 << 20)).from_address(sender.base_ptr))
+    src[:] = np.arange(1 << 20, dtype=np.uint64).astype(np.uint8)
+    errors: list[str] = []
+    try:
+        eng.read_many(session, [(receiver.base_ptr, sender.base_ptr, 4096)])  # proven once
+        for _ in range(4):
+            with sinks._lock:
+                sinks._sinks.clear()
+            barrier = threading.Barrier(8)
+
+            def move(i: int, barrier: threading.Barrier = barrier) -> None:
+                barrier.wait()
+                off = i * 4096
+                try:
+                    eng.read_many(session, [(receiver.base_ptr + off, sender.base_ptr + off, 4096)])
+                except KVTransferError as e:
+                    errors.append(str(e))
+
+            threads = [threading.Thread(target=move, args=(i,)) for i in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+        dst = np.ctypeslib.as_array((ctypes.c_uint8 * (8 * 4096)).from_address(receiver.base_ptr))
+        assert not errors, errors[:3]
+        assert np.array_equal(dst, src[: 8 * 4096])
+        assert len(proofs) == 1 + 4, len(proofs)
+    finally:
+        receiver.close()
+        sender.close()
 
 
 def _registered_cache(c: NixlPullConnector) -> torch.Tensor:
@@ -294,7 +377,7 @@ def test_a_closing_producer_ends_its_writes_before_refusing_connections() -> Non
     """A consumer takes a refused side-channel connection for "no write of that producer
     can land any more": when a producer closes, its writes are ended (aborted) while its
     side channel still accepts connections."""
-    from vllm_omni_kv.backends.nixl.write_client import _gone
+    from vllm_omni_kv.backends.nixl.wait_outs import _gone
 
     sender = _conn("sender")
     endpoint, writer = _endpoint(sender), sender.engine.writer  # type: ignore[attr-defined]
@@ -325,7 +408,7 @@ def test_a_producer_that_never_challenges_does_not_hold_up_proofs_to_others() ->
 
     def prove_to_silent() -> None:
         try:
-            writes._prove(silent.endpoint, "silent-agent", False)
+            writes._prove(silent.endpoint, "silent-agent", None)
         except KVTransferError as e:
             failed.append(e)
 
@@ -358,7 +441,7 @@ def test_proofs_to_one_producer_take_turns_and_leave_no_lock_behind() -> None:
 
     def prove(peer: str, tag: str) -> None:
         with pytest.raises(KVTransferError, match="no challenge"):
-            writes._prove(silent.endpoint, peer, True)
+            writes._prove(silent.endpoint, peer, None)
         ended[tag] = time.monotonic()
 
     jobs = [("same", "a"), ("same", "b")] + [(f"other{i}", f"o{i}") for i in range(8)]

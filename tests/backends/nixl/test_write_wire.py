@@ -56,6 +56,16 @@ def test_a_large_group_is_split_and_ranges_round_trip() -> None:
     assert [tuple(r) for part in out if part is not None for r in part.tolist()] == rows
 
 
+@pytest.mark.parametrize("timeout_s", [0.5, ww.MAX_TTL_S, 3600.0])
+def test_a_write_of_a_long_timeout_asks_for_the_longest_ttl_a_producer_takes(
+    timeout_s: float,
+) -> None:
+    """A consumer's ``transfer_timeout_s`` above the producer's bound on a write's
+    ``ttl_s`` (600 s) asks for that bound: its writes were refused as malformed."""
+    msg = ww.with_token(ww.range_write_msgs("c", [(0, 0, 64)], timeout_s)[0], TOKEN)
+    assert ww.parse_write(msg).ttl_s == min(timeout_s, ww.MAX_TTL_S)
+
+
 def _valid_write() -> dict[str, Any]:
     msg = ww.page_write_msgs("c", _reads(np.array([[1, 2], [3, 4]], dtype=np.int64)), 1.0)[0]
     return ww.with_token(msg, TOKEN)

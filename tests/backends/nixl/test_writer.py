@@ -19,16 +19,14 @@ from vllm_omni_kv.backends.nixl.prepared_lists import PreparedLists
 from vllm_omni_kv.backends.nixl.writer import Writer
 from vllm_omni_kv.errors import KVTransferError
 
+from .fake_transfers import TimedHandle
+
 SPAN = [0, 1 << 20, "DRAM", 0]
 
 
-class _Handle:
-    def __init__(self) -> None:
-        self.releases = 0
-
-    def release(self) -> None:
-        self.releases += 1
-        time.sleep(0.002)  # widens the window an abort and the reaper race in
+class _Handle(TimedHandle):
+    def __init__(self, ends_at: float = float("inf"), end: str = "DONE") -> None:
+        super().__init__(ends_at, end, pause_s=0.002)  # widens an abort's race with the reaper
 
 
 class _Agent:
@@ -39,14 +37,20 @@ class _Agent:
         self.misuse: list[str] = []
         self.challenges: dict[str, bytes] = {}
         self.digests: dict[str, bytes] = {}
+        self.notified: list[tuple[str, bytes]] = []
+        self.removed: list[str | bytes] = []
+        self.loads = 0
+        self.runs_s, self.end = float("inf"), "DONE"  # how each new write runs and ends
 
     def add_remote_agent(self, md: bytes) -> bytes:
+        self.loads += 1
         return md.split(b"|")[0]  # the "metadata" is the agent's name (| a variant)
 
-    def remove_remote_agent(self, name: str) -> None:
-        pass
+    def remove_remote_agent(self, name: str | bytes) -> None:
+        self.removed.append(name)
 
     def send_notif(self, name: str, msg: bytes) -> None:
+        self.notified.append((name, msg))
         challenge = ww.parse_challenge(msg)
         if challenge is not None:
             self.challenges[name] = challenge[0]
@@ -56,7 +60,7 @@ class _Agent:
         return descs
 
     def initialize_xfer(self, *args: Any) -> _Handle:
-        self.handles.append(_Handle())
+        self.handles.append(_Handle(time.monotonic() + self.runs_s, self.end))
         return self.handles[-1]
 
     def transfer(self, handle: _Handle) -> str:
@@ -66,7 +70,7 @@ class _Agent:
         if handle.releases:
             self.misuse.append("checked after its release")
         time.sleep(0.001)
-        return "PROC"
+        return handle.state()
 
 
 def _writer(agent: _Agent, unload: Any = lambda _n: None) -> Writer:
@@ -74,9 +78,9 @@ def _writer(agent: _Agent, unload: Any = lambda _n: None) -> Writer:
     return Writer(agent, PreparedLists(), lambda: [tuple(SPAN)], unload)  # type: ignore[list-item]
 
 
-def _write(name: str, token: bytes) -> dict[str, Any]:
+def _write(name: str, token: bytes, ttl_s: float = 600.0) -> dict[str, Any]:
     """A one-range write for sink ``name``, signed with ``token``."""
-    return ww.with_token(ww.range_write_msgs(name, [(4096, 8192, 4096)], 600.0)[0], token)
+    return ww.with_token(ww.range_write_msgs(name, [(4096, 8192, 4096)], ttl_s)[0], token)
 
 
 def _proven(agent: _Agent, w: Writer, name: str) -> bytes:
@@ -87,21 +91,64 @@ def _proven(agent: _Agent, w: Writer, name: str) -> bytes:
 
 
 def test_aborts_racing_the_reaper_never_touch_a_released_handle() -> None:
+    """Each write runs 10 ms: aborts sent while it runs are answered ``running`` (releasing
+    a running write does not stop its bytes over every transport), the first after its end
+    no longer ``running``; the reaper and the aborts release each handle once, after its
+    end, and never check a released one."""
     agent = _Agent()
+    agent.runs_s = 0.01
     w = _writer(agent)
     try:
         token = _proven(agent, w, "v")
-        for i in range(100):
+        for i in range(60):
             msg = _write("v", token)
             assert w(msg) == {"ok": True}
-            time.sleep(0.003)  # the reaper is checking it now and then
             abort = ww.with_token(ww.abort_msg("v", msg["nonce"]), token)
-            assert w(abort)["state"] == "aborted", i
+            states = [w(abort)["state"]]
+            while states[-1] == "running":
+                time.sleep(0.002)
+                states.append(w(abort)["state"])
+            # aborted or unknown: the reaper released or ended it meanwhile
+            assert states[-1] in ("done", "aborted", "unknown"), (i, states)
+            assert states[0] == "running" or time.monotonic() >= agent.handles[-1].ends_at, i
         time.sleep(0.05)
     finally:
         w.close()
     assert agent.misuse == []
-    assert [h.releases for h in agent.handles] == [1] * 100
+    assert [h.releases for h in agent.handles] == [1] * 60
+    assert not any(h.released_running for h in agent.handles)
+
+
+@pytest.mark.parametrize("end", ["DONE", "ERR"])
+def test_a_write_past_its_ttl_is_waited_for_to_its_end(end: str) -> None:
+    """A write that outruns its ``ttl_s`` is not released while it runs (its sink's memory
+    may still be written); once it ends it is released, and a failed one is told to its
+    sink (``E`` + nonce; NIXL itself sends ``D`` after a write that completed)."""
+    agent = _Agent()
+    agent.runs_s, agent.end = 0.3, end
+    w = _writer(agent)
+    try:
+        token = _proven(agent, w, "v")
+        msg = _write("v", token, ttl_s=0.05)
+        assert w(msg) == {"ok": True}
+        time.sleep(0.2)  # past its ttl, still running
+        handle = agent.handles[-1]
+        assert handle.releases == 0
+        abort = ww.with_token(ww.abort_msg("v", msg["nonce"]), token)
+        assert w(abort)["state"] == "running"
+
+        def told() -> int:
+            return sum(m == b"E" + msg["nonce"] for _name, m in agent.notified)
+
+        want = 1 if end == "ERR" else 0
+        deadline = time.monotonic() + 5
+        while (handle.releases == 0 or told() < want) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.05)  # nothing more comes
+        assert handle.releases == 1 and not handle.released_running
+        assert told() == want
+    finally:
+        w.close()
 
 
 def test_close_during_checks_releases_each_write_once() -> None:
@@ -142,6 +189,42 @@ def test_metadata_naming_another_agent_is_unloaded() -> None:
             with pytest.raises(KVTransferError, match="names"):
                 w(msg)
         assert {"stray0", "stray1", "stray2"} <= set(unloaded)
+    finally:
+        w.close()
+
+
+def test_metadata_naming_an_agent_that_is_not_utf8_is_refused_and_unloaded() -> None:
+    """An agent name of bytes that are not UTF-8 is refused with a ``KVTransferError``
+    (it was a ``UnicodeDecodeError``), and the agent it loaded is unloaded by those bytes."""
+    agent = _Agent()
+    w = _writer(agent)
+    try:
+        bad = b"stray-\xff\xfe"
+        with pytest.raises(KVTransferError, match="names"):
+            w({"op": ww.SINK_OP, "agent": "a", "md": bad, "spans": [SPAN]})
+        assert bad in agent.removed
+    finally:
+        w.close()
+
+
+def test_a_flood_of_sink_requests_under_fresh_names_loads_few_agents() -> None:
+    """NIXL keeps sockets open for every remote agent loaded and removed again: requests
+    under fresh names load at most ``MAX_PENDING`` at once and then ``LOAD_RATE`` a
+    second; the rest are answered ``busy`` without a load."""
+    from vllm_omni_kv.backends.nixl import sinks
+
+    agent = _Agent()
+    w = _writer(agent)
+    try:
+        t0 = time.monotonic()
+        replies = [
+            w({"op": ww.SINK_OP, "agent": f"a{i}", "md": f"a{i}".encode(), "spans": [SPAN]})
+            for i in range(500)
+        ]
+        elapsed = time.monotonic() - t0
+        busy = sum(r == {"ok": False, "reason": "busy"} for r in replies)
+        assert agent.loads == 500 - busy
+        assert agent.loads <= sinks.MAX_PENDING + sinks.LOAD_RATE * elapsed + 1, agent.loads
     finally:
         w.close()
 

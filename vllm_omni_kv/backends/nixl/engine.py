@@ -7,17 +7,17 @@ device through :meth:`NixlEngine.register_device`). A peer is named by its
 *session* ``"<agent>@<host>:<side-channel port>"``: the first read from a session
 fetches that agent's metadata over our TCP side channel (op ``nixl_md``, each try
 bounded by ``handshake_timeout_s``, at most ``1 + handshake_retries`` tries) and
-loads it with ``add_remote_agent``. The reply also lists the peer's registered
-ranges and their memory types; a read of a range outside them fetches the
-metadata once more (the peer registered memory since) before it is refused. A
-read is one ``READ`` transfer (several ranges: one transfer of several
-descriptors) polled until done; past ``timeout_s`` it is aborted and raises
-:class:`KVTransferTimeout`. A move of pages out of a registered cache
-(:meth:`NixlEngine.read_pages`) is one transfer too, made by index: each side's
-page tables are prepared once as a list of strided descriptors (one per layer; at most
-:mod:`.prepared_lists`; a peer's released with it), so a move's host work is
-two index arrays and one post whatever its page count. A failed transfer forgets the peer so the next read
-handshakes again (a restarted sender has a new agent name anyway).
+loads it with ``add_remote_agent``. The reply also lists the peer's registered ranges and
+their memory types; a read of a range outside them fetches the metadata once more (the peer
+registered memory since) before it is refused. A read is one ``READ`` transfer (several
+ranges: one transfer of several descriptors) polled until done; past ``timeout_s`` it raises
+:class:`~vllm_omni_kv.backends.pull.puller.ReadStillRunning`, and the transfer is polled to
+its end off the pull thread (:mod:`.abandoned`). A move of pages out of a registered cache
+(:meth:`NixlEngine.read_pages`) is one transfer too, made by index: each side's page tables
+are prepared once as a list of strided descriptors (one per layer; at most
+:mod:`.prepared_lists`; a peer's released with it), so a move's host work is two index
+arrays and one post whatever its page count. A failed transfer forgets the peer so the next
+read handshakes again (a restarted sender has a new agent name anyway).
 
 ``direction`` picks who posts: ``read`` (this agent READs), ``write`` (the peer WRITEs
 into this agent's memory, :mod:`.write_client` / :mod:`.writer`), or ``auto`` (WRITE
@@ -32,11 +32,13 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
 
 from vllm_omni_kv.backends.backoff import Backoff
+from vllm_omni_kv.backends.nixl.abandoned import Abandoned
 from vllm_omni_kv.backends.nixl.handshake import ask_metadata, load_peer, log_peer
 from vllm_omni_kv.backends.nixl.loader import PROGRESS_WAIT_US, import_nixl, make_agent
 from vllm_omni_kv.backends.nixl.memory import (
@@ -52,6 +54,7 @@ from vllm_omni_kv.backends.nixl.prepared_lists import LOCAL_SIDE, PreparedLists
 from vllm_omni_kv.backends.nixl.write_client import WriteClient
 from vllm_omni_kv.backends.nixl.writer import Writer
 from vllm_omni_kv.backends.pull.page_reads import PageReads, Read
+from vllm_omni_kv.backends.pull.puller import ReadStillRunning
 from vllm_omni_kv.backends.pull.side_channel import SideChannelClient
 from vllm_omni_kv.errors import BackendUnavailable, KVTransferError, KVTransferTimeout
 from vllm_omni_kv.logger import init_logger
@@ -132,6 +135,7 @@ class NixlEngine:
         self._prepared = PreparedLists()
         self._client = SideChannelClient(handshake_timeout_s, auth=auth)
         self._closed = False
+        self._abandoned = Abandoned(self.agent.check_xfer_state)
         self.direction = direction
         self.writer = Writer(  # serves the WRITE direction's side-channel ops
             self.agent, self._prepared, self._spans, self._unload_sink
@@ -260,6 +264,8 @@ class NixlEngine:
         self._unload(name)
 
     def _unload(self, name: str) -> None:
+        if self._abandoned.holds(name):  # a transfer with it may still land bytes
+            return
         self._prepared.drop(self.agent, name)  # lists over the memory the peer had registered
         if name == self.name or self.writer.holds(name):  # a sink's metadata stays loaded
             return
@@ -330,15 +336,11 @@ class NixlEngine:
             if self._writes_to(rkind[0], peer):
                 self._written(session, peer, reads)
                 return
-            remote = self._prepared.get(self.agent, peer.name, rkind, reads.remote)
-            local = self._prepared.get(self.agent, LOCAL_SIDE, lkind, reads.local)
-            r_ids = reads.remote_ids.astype(np.int32)
-            l_ids = reads.local_ids.astype(np.int32)
-
-            def make() -> Any:
-                with self._prepared.using():  # no list is released while a request is made
-                    return self.agent.make_prepped_xfer("READ", local, l_ids, remote, r_ids)
-
+            r_ids, l_ids = reads.remote_ids.astype(np.int32), reads.local_ids.astype(np.int32)
+            sides = [(LOCAL_SIDE, lkind, reads.local), (peer.name, rkind, reads.remote)]
+            prepped = partial(self.agent.make_prepped_xfer, "READ")  # (lists) -> a request
+            make = partial(self._prepared.request, self.agent, sides,
+                           lambda h: prepped(h[0], l_ids, h[1], r_ids))  # fmt: skip
             what = f"{n} pages, {lkind[0]} <- {rkind[0]}"
             self._post(session, peer, make, reads.nbytes, what)
         except KVTransferTimeout as e:
@@ -404,23 +406,17 @@ class NixlEngine:
         handle.release()
 
     def _wait(self, agent: Any, handle: Any, state: str, deadline: float, peer: str) -> str:
-        """Poll until the transfer leaves ``PROC``; abort it past ``deadline``. One that
-        cannot be aborted is waited out: its destination must stay valid until it ends."""
+        """Poll until the transfer leaves ``PROC``. Past ``deadline`` one still running is
+        handed to :class:`Abandoned` (releasing it would not stop its bytes everywhere):
+        :class:`ReadStillRunning` keeps its destination until it ends."""
         backoff = Backoff()
         while state == "PROC":
-            if time.monotonic() >= deadline:
-                try:
-                    handle.release()  # NIXL aborts a running transfer when released
-                except Exception as e:
-                    logger.debug("NIXL could not abort a read from %s yet: %s", peer, e)
-                else:
-                    raise KVTransferTimeout(
-                        f"NIXL read from {peer} made no progress within {self.timeout_s:.1f}s; "
-                        "aborted"
-                    )
-                if self._closed:
-                    return "ERR"
-                deadline = time.monotonic() + 0.1
+            if time.monotonic() >= deadline or self._closed:
+                raise ReadStillRunning(
+                    f"NIXL read from {peer} did not end within {self.timeout_s:.1f}s; its "
+                    "destination is kept until the transfer ends",
+                    self._abandoned.add(handle, peer, f"a NIXL read from {peer}"),
+                )
             backoff.sleep()
             state = agent.check_xfer_state(handle)
         if state != "DONE":
@@ -437,6 +433,7 @@ class NixlEngine:
             self._closed = True
             peers, self._peers = list(self._peers.values()), OrderedDict()
         self.writer.close()
+        self._abandoned.close()
         self._prepared.close(self.agent)
         for p in peers:
             self._unload(p.name)

@@ -3,6 +3,7 @@ loaded into our agent, and what its transfers will cross put on record."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -52,7 +53,14 @@ def add_agent(
         loaded = agent.add_remote_agent(md)
     except Exception as e:
         raise KVTransferError(f"NIXL could not load {name!r}'s metadata: {e}") from None
-    loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+    if isinstance(loaded, bytes):  # any bytes a peer's metadata names
+        try:
+            loaded = loaded.decode()
+        except UnicodeDecodeError:  # not a name of ours, nor in use: unload it now
+            with contextlib.suppress(Exception):
+                agent.remove_remote_agent(loaded)
+            raise KVTransferError(f"NIXL metadata from {where} names {loaded!r}") from None
+    loaded = str(loaded)
     if loaded != name:
         if stray is not None:
             stray(loaded)

@@ -5,16 +5,15 @@ memory), memory kind and tuple of :class:`~vllm_omni_kv.backends.pull.page_reads
 one strided descriptor per table (address, page bytes, device, stride, page count), so a
 move is made by index into two lists. At most :data:`MAX_DLISTS` are kept (the least
 recently used one is released past it); an owner's lists are released when its memory
-goes. Requests are made from the lists under :meth:`PreparedLists.using`, so no list is
-released while one is being made.
+goes. Requests are made from the lists under the lock that releases them
+(:meth:`PreparedLists.request`), so no list is released between its lookup and its use.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -44,37 +43,41 @@ class PreparedLists:
         self, agent: Any, owner: str, kind: tuple[str, int], tables: tuple[PageTable, ...]
     ) -> Any:
         """The list of ``tables`` in ``owner``'s memory of ``kind`` (memory type, device),
-        prepared on first use."""
+        prepared on first use (outside the lock: preparing takes a while)."""
         key = (owner, kind, tables)
         with self._lock:
             if key in self._lists:
                 self._lists.move_to_end(key)
                 return self._lists[key]
-        rows = np.array([t.row(kind[1]) for t in tables], dtype=np.uint64)
-        try:
-            handle = agent.prep_xfer_dlist(owner, rows, kind[0])
-        except Exception as e:
-            raise KVTransferError(
-                f"NIXL could not prepare {len(tables)} page tables of {kind[0]} memory on "
-                f"{owner!r}: {e}"
-            ) from None
+        handle = _prepare(agent, key)
         with self._lock:
-            drop: list[Any] = []
             if key in self._lists:  # another thread prepared it meanwhile
-                drop, handle = [handle], self._lists[key]
-            else:
-                self._lists[key] = handle
-                while len(self._lists) > MAX_DLISTS:
-                    drop.append(self._lists.popitem(last=False)[1])
-            for h in drop:
-                _release(agent, h)
+                _release(agent, handle)
+                return self._lists[key]
+            self._keep_locked(agent, key, handle)
         return handle
 
-    @contextmanager
-    def using(self) -> Iterator[None]:
-        """Hold while making a request from lists: none is released meanwhile."""
+    def _keep_locked(self, agent: Any, key: Key, handle: Any) -> None:
+        self._lists[key] = handle
+        while len(self._lists) > MAX_DLISTS:
+            _release(agent, self._lists.popitem(last=False)[1])
+
+    def request(self, agent: Any, sides: list[Key], make: Callable[[list[Any]], Any]) -> Any:
+        """``make(lists)``: a request made from the lists of ``sides`` under the lock, so
+        that none is released while it is made. A list another thread released after it
+        was prepared here (evicted, or its owner dropped) is prepared again, under the lock."""
+        for owner, kind, tables in sides:
+            self.get(agent, owner, kind, tables)
         with self._lock:
-            yield
+            lists = []
+            for key in sides:
+                handle = self._lists.get(key)
+                if handle is None:
+                    handle = _prepare(agent, key)
+                    self._keep_locked(agent, key, handle)
+                self._lists.move_to_end(key)  # the newest: none of these is evicted here
+                lists.append(handle)
+            return make(lists)
 
     def drop(self, agent: Any, owner: str) -> None:
         """Release ``owner``'s lists (its memory was unregistered, or it was forgotten)."""
@@ -88,6 +91,18 @@ class PreparedLists:
             lists, self._lists = list(self._lists.values()), OrderedDict()
         for h in lists:
             _release(agent, h)
+
+
+def _prepare(agent: Any, key: Key) -> Any:
+    owner, kind, tables = key
+    rows = np.array([t.row(kind[1]) for t in tables], dtype=np.uint64)
+    try:
+        return agent.prep_xfer_dlist(owner, rows, kind[0])
+    except Exception as e:
+        raise KVTransferError(
+            f"NIXL could not prepare {len(tables)} page tables of {kind[0]} memory on "
+            f"{owner!r}: {e}"
+        ) from None
 
 
 def _release(agent: Any, handle: Any) -> None:

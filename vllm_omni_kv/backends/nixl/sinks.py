@@ -16,7 +16,8 @@ makes it a sink, and the challenge stays its token. What is kept:
 - pending proofs keyed by challenge, so requests naming the same agent do not replace one
   another; at most :data:`MAX_PENDING`, each for :data:`PENDING_S`.
 
-Bounded: :data:`MAX_SINKS`, :data:`MAX_PENDING`, :data:`MAX_SETS`.
+Bounded: :data:`MAX_SINKS`, :data:`MAX_PENDING`, :data:`MAX_SETS`, and the metadata loads
+per second (:data:`LOAD_RATE`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,11 @@ MAX_SINKS = 256
 MAX_PENDING = 64
 PENDING_S = 30.0
 MAX_SETS = 256
+#: metadata loads per second at most, past a burst of :data:`MAX_PENDING` (beyond: ``busy``).
+#: NIXL 1.5 keeps sockets open for every remote agent loaded and removed again, so
+#: ``nixl_sink`` requests under fresh names would otherwise take the producer's file
+#: descriptors at the rate of the side channel
+LOAD_RATE = 2.0
 
 TableSet = tuple[tuple[PageTable, ...], tuple[PageTable, ...]]
 
@@ -80,6 +86,7 @@ class Sinks:
         self._pending: OrderedDict[bytes, _Pending] = OrderedDict()  # challenge -> proof
         self._loaded: dict[str, bytes] = {}  # name -> digest of the metadata loaded last
         self._sets: OrderedDict[tuple[str, bytes], TableSet] = OrderedDict()
+        self._loads, self._refilled = float(MAX_PENDING), time.monotonic()  # load budget
 
     # -- asking and proving ----------------------------------------------------------
     def request(self, msg: dict[str, Any]) -> dict[str, Any]:
@@ -93,6 +100,8 @@ class Sinks:
             if loaded != digest:
                 if sink is not None and not any(hmac.compare_digest(t, sink.token) for t in tokens):
                     return _refused("a proven sink's metadata changes only with its token")
+                if not self._may_load():
+                    return {"ok": False, "reason": "busy"}
                 self._load(name, md, digest)
             with self._lock:
                 deadline = time.monotonic() + PENDING_S
@@ -106,6 +115,16 @@ class Sinks:
         except Exception as e:
             raise KVTransferError(f"cannot reach NIXL agent {name!r} to prove it: {e}") from None
         return {"ok": True, "challenged": True}
+
+    def _may_load(self) -> bool:
+        """Take one metadata load from the budget (:data:`LOAD_RATE`), if there is one."""
+        now = time.monotonic()
+        self._loads = min(MAX_PENDING, self._loads + (now - self._refilled) * LOAD_RATE)
+        self._refilled = now
+        if self._loads < 1:
+            return False
+        self._loads -= 1
+        return True
 
     def prove(self, name: str, challenge: bytes) -> dict[str, Any]:
         """A proof: ``name`` becomes a sink with ``challenge`` as its token, if the

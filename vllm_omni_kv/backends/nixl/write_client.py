@@ -9,17 +9,15 @@ the producer's notification ``D`` (done) or ``E`` (failed) + its nonce. A produc
 forgot this agent (a restart, an eviction) answers ``need_sink``/``need_tables`` and the
 setup is sent again, once.
 
-A move past ``timeout_s`` is aborted: ``nixl_write_abort`` per write still running. Bytes
-may land until the producer says the write ended, so the move is *waited out* as a READ
-that cannot be aborted is: it returns (raising) only when every write is done, aborted or
-unknown to the producer, or the producer's side channel refuses connections (its process
-is gone). A paused producer is never judged gone.
+A move that fails or runs past ``timeout_s`` raises at once; bytes may land until the
+producer says its writes ended, so the move is *waited out* off the pull thread
+(:mod:`.wait_outs`): it raises :class:`~vllm_omni_kv.backends.pull.puller.ReadStillRunning`,
+whose future keeps the memory the writes target until no write can land.
 """
 
 from __future__ import annotations
 
 import contextlib
-import socket
 import threading
 import time
 from collections import OrderedDict
@@ -30,8 +28,9 @@ from typing import Any
 from vllm_omni_kv.backends.backoff import Backoff
 from vllm_omni_kv.backends.nixl import write_wire as ww
 from vllm_omni_kv.backends.nixl.memory import Span
-from vllm_omni_kv.backends.pull.framing import split_endpoint
+from vllm_omni_kv.backends.nixl.wait_outs import WaitOuts
 from vllm_omni_kv.backends.pull.page_reads import PageReads, Read
+from vllm_omni_kv.backends.pull.puller import ReadStillRunning
 from vllm_omni_kv.backends.pull.side_channel import SideChannelClient
 from vllm_omni_kv.errors import KVTransferError, KVTransferTimeout
 from vllm_omni_kv.logger import init_logger
@@ -39,8 +38,6 @@ from vllm_omni_kv.logger import init_logger
 logger = init_logger(__name__)
 
 MAX_SENT_SETS = 256
-#: pause between two rounds of aborts while a move is waited out
-ABORT_ROUND_S = 0.1
 #: pause before a request the producer answered ``busy`` is sent again
 BUSY_RETRY_S = 0.002
 
@@ -137,6 +134,9 @@ class WriteClient:
         self._sc_timeout = side_channel_timeout_s
         self._closed = closed
         self.notices = Notices(agent)
+        self._wait_outs = WaitOuts(
+            client, name, side_channel_timeout_s, self.notices.ended_of, self.notices.forget
+        )
         self._lock = threading.Lock()
         #: one proof at a time per producer agent (each waits for that agent's challenge);
         #: proofs to other producers go on meanwhile
@@ -152,9 +152,9 @@ class WriteClient:
         """``reads`` (remote: the producer's tables) written by the producer into ours."""
         tid = ww.tables_id(reads.remote, reads.local)
 
-        def setup(again: bool) -> None:
-            self._prove(endpoint, peer, again)
-            if again or (endpoint, tid) not in self._sets:
+        def setup(stale: bytes | None) -> None:
+            self._prove(endpoint, peer, stale)
+            if stale is not None or (endpoint, tid) not in self._sets:
                 self._ask(endpoint, self._signed(endpoint, ww.tables_msg(self._name, reads)))
                 with self._lock:
                     self._sets[(endpoint, tid)] = None
@@ -169,15 +169,18 @@ class WriteClient:
         """``(local, remote, bytes)`` ranges written by the producer into ours."""
         msgs = ww.range_write_msgs(self._name, reads, timeout_s)
         self._move(
-            endpoint, peer, msgs, lambda again: self._prove(endpoint, peer, again), timeout_s
+            endpoint, peer, msgs, lambda stale: self._prove(endpoint, peer, stale), timeout_s
         )
 
     # -- setup -----------------------------------------------------------------------
-    def _prove(self, endpoint: str, peer: str, again: bool) -> None:
-        if not again and endpoint in self._proven:
+    def _prove(self, endpoint: str, peer: str, stale: bytes | None) -> None:
+        """Prove this agent at ``endpoint`` unless it is proven there; ``stale``: the token
+        the producer no longer took (proven again, unless another thread did meanwhile:
+        each proof replaces the token the other threads' writes carry)."""
+        if stale is None and endpoint in self._proven:
             return
         with self._proof_turn(peer):
-            if again or endpoint not in self._proven:
+            if self._proven.get(endpoint, stale) == stale:
                 self._prove_now(endpoint, peer)
 
     @contextlib.contextmanager
@@ -239,7 +242,9 @@ class WriteClient:
         return ww.with_token(msg, token)
 
     def _ask(self, endpoint: str, msg: dict[str, Any]) -> dict[str, Any]:
-        reply = self._client.request(endpoint, msg, self._sc_timeout)
+        """``msg``'s reply (asked again while the producer is ``busy``, up to the
+        side-channel timeout); a refusal raises."""
+        reply = self._request(endpoint, msg, time.monotonic() + self._sc_timeout)
         if not reply.get("ok"):
             raise KVTransferError(
                 f"the producer at {endpoint} refused {msg['op']}: "
@@ -253,22 +258,25 @@ class WriteClient:
         endpoint: str,
         peer: str,
         msgs: list[dict[str, Any]],
-        setup: Callable[[bool], None],
+        setup: Callable[[bytes | None], None],
         timeout_s: float,
     ) -> None:
         deadline = time.monotonic() + timeout_s
         posted: dict[bytes, bytes] = {}  # nonce -> the token it was last sent with
         try:
-            setup(False)
+            setup(None)
             for msg in msgs:
                 self.notices.expect(msg["nonce"], peer)
                 self._post(endpoint, msg, setup, deadline, posted)
             failed = self._wait(list(posted), deadline)
-        except BaseException:
-            self._wait_out(endpoint, posted)
-            raise
-        finally:
-            self.notices.forget(list(posted))
+        except BaseException as e:
+            ended = self._wait_outs.add(endpoint, posted)  # forgets them once over
+            if ended.done():
+                raise
+            raise ReadStillRunning(
+                f"{e}; the memory the writes target is kept until none can land", ended
+            ) from None
+        self.notices.forget(list(posted))
         if failed:
             raise KVTransferError(
                 f"NIXL agent {peer} at {endpoint} reported a failed write ({failed} of "
@@ -279,7 +287,7 @@ class WriteClient:
         self,
         endpoint: str,
         msg: dict[str, Any],
-        setup: Callable[[bool], None],
+        setup: Callable[[bytes | None], None],
         deadline: float,
         posted: dict[bytes, bytes],
     ) -> None:
@@ -289,9 +297,7 @@ class WriteClient:
         posted[msg["nonce"]] = signed["token"]
         reply = self._request(endpoint, signed, deadline)
         if reply.get("reason") in ("need_sink", "need_tables"):
-            with self._lock:
-                self._proven.pop(endpoint, None)
-            setup(True)
+            setup(signed["token"])
             signed = self._signed(endpoint, msg)
             posted[msg["nonce"]] = signed["token"]
             reply = self._request(endpoint, signed, deadline)
@@ -324,33 +330,9 @@ class WriteClient:
             raise KVTransferTimeout(f"{len(left)} NIXL writes did not end in time")
         return sum(failed)
 
-    def _wait_out(self, endpoint: str, posted: dict[bytes, bytes]) -> None:
-        """Return once no write of ``posted`` (nonce -> its token) can still land (see the
-        module's text)."""
-        ended = self.notices.ended_of(set(posted))
-        left = [n for n in posted if n not in ended]
-        while left and not self._closed():
-            still: list[bytes] = []
-            for n in left:
-                if self.notices.ended(n) is not None:
-                    continue
-                try:
-                    abort = ww.with_token(ww.abort_msg(self._name, n), posted[n])
-                    reply = self._client.request(endpoint, abort, self._sc_timeout)
-                except (KVTransferError, OSError) as e:
-                    if _gone(endpoint):
-                        return
-                    logger.warning("NIXL write abort at %s not answered (%s); waiting", endpoint, e)
-                    still.append(n)
-                    continue
-                if reply.get("state") == "running" or not reply.get("ok"):
-                    still.append(n)
-            left = still
-            if left:
-                time.sleep(ABORT_ROUND_S)
-
     def close(self) -> None:
         """Let go of the agent (its engine is closing)."""
+        self._wait_outs.close()
         self._agent = self.notices._agent = None
 
     def forget(self, endpoint: str | None = None) -> None:
@@ -378,15 +360,3 @@ def _poll(
             return False
         backoff.sleep()
     return True
-
-
-def _gone(endpoint: str) -> bool:
-    """Whether nothing listens at ``endpoint`` any more (connection refused)."""
-    host, port = split_endpoint(endpoint)
-    try:
-        with socket.create_connection((host, port), timeout=1.0):
-            return False
-    except ConnectionRefusedError:
-        return True
-    except OSError:
-        return False

@@ -175,7 +175,8 @@ def range_write_msgs(
 
 def _write(agent: str, ttl_s: float, body: dict[str, Any]) -> dict[str, Any]:
     nonce = os.urandom(NONCE_BYTES)
-    return {"op": WRITE_OP, "agent": agent, "nonce": nonce, "ttl_s": float(ttl_s), **body}
+    ttl = min(float(ttl_s), MAX_TTL_S)  # a longer transfer_timeout_s: the producer's bound
+    return {"op": WRITE_OP, "agent": agent, "nonce": nonce, "ttl_s": ttl, **body}
 
 
 def abort_msg(agent: str, nonce: bytes) -> dict[str, Any]:

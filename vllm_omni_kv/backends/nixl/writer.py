@@ -5,8 +5,10 @@ Sinks (who may be written to, their tokens and table sets) are kept by
 ``nixl_write`` is checked against the sink's registered ranges and this agent's, made from
 prepared lists (pages) or descriptors (ranges), posted with the notification ``D`` + nonce
 (NIXL delivers it after the bytes), and answered at once. A reaper thread releases each
-write when it ends; one that fails or outruns its ``ttl_s`` is aborted and its sink told
-``E`` + nonce. ``nixl_write_abort`` stops a write; the nonce of one not (yet) seen is
+write when it ends; one that fails is released and its sink told ``E`` + nonce. A
+running write is never released (that does not stop its bytes over every transport):
+``nixl_write_abort`` answers ``running`` until it ended, and one that outruns its
+``ttl_s`` is logged and waited for. The nonce of a write aborted before it was seen is
 remembered, so a late request with it is refused. A write's handle is checked and released
 only under its own lock, once: the reaper and an abort never touch a released handle.
 Bounded: :data:`MAX_RUNNING` (and :data:`MAX_RUNNING_PER_SINK`), :data:`MAX_TOMBS`, and
@@ -63,7 +65,9 @@ class _Running:
                 return "ERR"
 
     def release(self) -> bool:
-        """Release the handle once (NIXL aborts a running write); False where it refused."""
+        """Release the handle once; False where NIXL refused. Only for a write that is not
+        ``PROC`` (or at close): releasing a running one does not stop its bytes over
+        every transport (UCX over TCP lands them all)."""
         with self.lock:
             if not self.released:
                 use_device(self.kind)
@@ -88,6 +92,7 @@ class Writer:
         self._running: dict[bytes, _Running] = {}
         self._tombs: OrderedDict[bytes, float] = OrderedDict()
         self._reaper: threading.Thread | None = None
+        self._added = 0  # writes tracked so far: a new one restarts the reaper's backoff
         self._closed = False
 
     def __call__(self, msg: dict[str, Any]) -> dict[str, Any]:
@@ -138,13 +143,15 @@ class Writer:
         skind, dkind = tables_kind(self._spans(), src), tables_kind(sink, dst)
         if skind is None or dkind is None:
             raise KVTransferError("a page table is outside the registered memory of its side")
-        local = self._prepared.get(self._agent, LOCAL_SIDE, skind, src)
-        remote = self._prepared.get(self._agent, name, dkind, dst)
         s32, d32 = s_ids.astype(np.int32), d_ids.astype(np.int32)
+        sides = [(LOCAL_SIDE, skind, src), (name, dkind, dst)]
 
         def make() -> Any:
-            with self._prepared.using():
-                return self._agent.make_prepped_xfer("WRITE", local, s32, remote, d32, notif)
+            return self._prepared.request(
+                self._agent,
+                sides,
+                lambda h: self._agent.make_prepped_xfer("WRITE", h[0], s32, h[1], d32, notif),
+            )
 
         return make, skind
 
@@ -192,6 +199,7 @@ class Writer:
         with self._lock:
             deadline = time.monotonic() + req.ttl_s
             self._running[req.nonce] = _Running(handle, req.agent, req.token, deadline, kind)
+            self._added += 1
             if self._reaper is None:
                 self._reaper = threading.Thread(target=self._reap, name="omnikv-nixl-writes")
                 self._reaper.daemon = True
@@ -210,7 +218,7 @@ class Writer:
             if run.sink != agent or not hmac.compare_digest(run.token, token):
                 return {"ok": False, "reason": "error", "error": "not a write of this sink"}
         state = run.state(self._agent)
-        if state == "PROC" and not run.release():
+        if state == "PROC":  # it cannot be stopped: its sink waits for its end
             return {"ok": True, "state": "running"}
         with self._lock:
             self._running.pop(nonce, None)
@@ -228,30 +236,32 @@ class Writer:
 
     # -- the reaper ------------------------------------------------------------------
     def _reap(self) -> None:
-        backoff = Backoff()
+        backoff, seen = Backoff(), 0
         while True:
             with self._lock:
                 while not self._running and not self._closed:
                     self._lock.wait(0.5)
-                    backoff.reset()
                 if self._closed:
                     return
+                if self._added != seen:  # new work: poll it as closely as a fresh wait
+                    seen = self._added
+                    backoff.reset()
                 runs = list(self._running.items())
             for nonce, run in runs:
                 self._settle(nonce, run, run.state(self._agent))
             backoff.sleep()
 
     def _settle(self, nonce: bytes, run: _Running, state: str) -> None:
-        if state == "RELEASED" or (state == "PROC" and time.monotonic() < run.deadline):
-            return  # an abort released it (and ends its entry), or it still runs
-        if state != "DONE" and not run.release():
-            run.deadline = time.monotonic() + 0.1  # cannot abort yet: try again shortly
-            return
+        if state == "PROC" and time.monotonic() > run.deadline:
+            run.deadline = float("inf")  # warned once; it is waited for to its end
+            logger.warning("a NIXL write to %s outran its ttl_s; waiting for its end", run.sink)
+        if state in ("RELEASED", "PROC"):
+            return  # an abort ended its entry, or it still runs
         with self._lock:
             if self._running.pop(nonce, None) is None:
                 return  # aborted meanwhile
+        run.release()
         if state == "DONE":
-            run.release()
             return
         logger.warning("NIXL write to %s ended %s; the sink is told", run.sink, state)
         try:
