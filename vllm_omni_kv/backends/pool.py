@@ -16,11 +16,15 @@ from typing import Any, NoReturn
 import torch
 
 from vllm_omni_kv.closing import Closing
-from vllm_omni_kv.errors import ConfigError, KVTransferError
+from vllm_omni_kv.errors import ConfigError, KVPayloadError, KVTransferError
 
 
 def _align_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
+
+
+#: dimensions a received buffer's shape may have at most (torch's own limit is 64)
+MAX_DIMS = 64
 
 
 class BufferAllocator:
@@ -196,17 +200,29 @@ class ManagedBuffer(Closing):
         return self.tensor[:n].view(dtype).view(tuple(shape))
 
     def to_tensor(self) -> torch.Tensor:
-        """A view with the dtype/shape the sender put (``uint8`` bytes when it put bytes)."""
+        """A view with the dtype/shape the sender put (``uint8`` bytes when it put bytes).
+        They come from the sender: a dtype this build does not know, or a shape that is not
+        a list of non-negative integers fitting in the buffer, is a ``KVPayloadError``."""
         if self.dtype_name is None or self.shape is None:
             return self.tensor
         from vllm_omni_kv.wire.codec import DTYPES
 
-        dtype = DTYPES.get(self.dtype_name)
-        if dtype is None:
-            raise ValueError(f"unknown dtype {self.dtype_name!r} on a received buffer")
+        name, shape = self.dtype_name, self.shape
+        dtype = DTYPES.get(name) if type(name) is str else None
+        dims = shape if type(shape) in (list, tuple) and len(shape) <= MAX_DIMS else None
+        if dtype is None or dims is None or any(type(d) is not int or d < 0 for d in dims):
+            raise KVPayloadError(f"a received buffer described as {name!r} {shape!r}: not a tensor")
+        n = torch.empty((), dtype=dtype).element_size()
+        for d in dims:
+            n *= d
+        if n > self.size:
+            raise KVPayloadError(
+                f"a received buffer of {self.size} bytes described as {name} {list(dims)} "
+                f"({n} bytes)"
+            )
         if self.size == 0:
-            return torch.empty(self.shape, dtype=dtype)
-        return self.as_tensor(dtype, self.shape)
+            return torch.empty(tuple(dims), dtype=dtype)
+        return self.as_tensor(dtype, dims)
 
     def release(self) -> None:
         """Give the block back to the pool; later calls are no-ops."""

@@ -21,7 +21,7 @@ from vllm_omni_kv.errors import KVTransferError
 
 from .fake_transfers import TimedHandle
 
-SPAN = [0, 1 << 20, "DRAM", 0]
+SPAN = [0, 4 << 20, "DRAM", 0]
 
 
 class _Handle(TimedHandle):
@@ -78,9 +78,11 @@ def _writer(agent: _Agent, unload: Any = lambda _n: None) -> Writer:
     return Writer(agent, PreparedLists(), lambda: [tuple(SPAN)], unload)  # type: ignore[list-item]
 
 
-def _write(name: str, token: bytes, ttl_s: float = 600.0) -> dict[str, Any]:
-    """A one-range write for sink ``name``, signed with ``token``."""
-    return ww.with_token(ww.range_write_msgs(name, [(4096, 8192, 4096)], ttl_s)[0], token)
+def _write(name: str, token: bytes, ttl_s: float = 600.0, large: bool = False) -> dict[str, Any]:
+    """A one-range write for sink ``name``, signed with ``token`` (``large``: of 4 MiB,
+    made and posted on the writer's poster thread)."""
+    row = (0, 0, 4 << 20) if large else (4096, 8192, 4096)
+    return ww.with_token(ww.range_write_msgs(name, [row], ttl_s)[0], token)
 
 
 def _proven(agent: _Agent, w: Writer, name: str) -> bytes:
@@ -88,6 +90,14 @@ def _proven(agent: _Agent, w: Writer, name: str) -> bytes:
     token = agent.challenges[name]
     assert w(ww.proof_msg(name, token)) == {"ok": True}
     return token
+
+
+def _posted(agent: _Agent, n: int) -> None:
+    """Wait until the writer's poster has made ``n`` writes."""
+    deadline = time.monotonic() + 10
+    while len(agent.handles) < n and time.monotonic() < deadline:
+        time.sleep(0.0005)
+    assert len(agent.handles) >= n
 
 
 def test_aborts_racing_the_reaper_never_touch_a_released_handle() -> None:
@@ -103,6 +113,7 @@ def test_aborts_racing_the_reaper_never_touch_a_released_handle() -> None:
         for i in range(60):
             msg = _write("v", token)
             assert w(msg) == {"ok": True}
+            _posted(agent, i + 1)
             abort = ww.with_token(ww.abort_msg("v", msg["nonce"]), token)
             states = [w(abort)["state"]]
             while states[-1] == "running":
@@ -257,13 +268,72 @@ def test_a_failed_post_whose_handle_cannot_be_released_is_still_tracked() -> Non
     try:
         token = _proven(agent, w, "v")
         msg = _write("v", token)
-        with pytest.raises(KVTransferError, match="post failed midway"):
-            w(msg)
+        assert w(msg) == {"ok": True}  # posted (and failed) on the poster's thread
+        _posted(agent, 1)
+        time.sleep(0.05)
         reply = w(ww.with_token(ww.abort_msg("v", msg["nonce"]), token))
         assert reply["ok"] and reply["state"] != "unknown", reply
     finally:
         w.close()
     assert agent.handles[0].releases >= 2
+
+
+class _SlowAgent(_Agent):
+    """Each post copies for 0.3 s before it returns (UCX's shared-memory transports copy a
+    large write inside ``transfer``)."""
+
+    def transfer(self, handle: _Handle) -> str:
+        time.sleep(0.3)
+        return "DONE"
+
+
+def test_the_side_channel_answers_while_a_write_is_posted() -> None:
+    """Writes of 4 MiB and more are made and posted on a thread of their own: while one
+    copies, the writer answers other requests at once, and an abort of a write still
+    waiting to be posted withdraws it (``aborted``; it is never made)."""
+    agent = _SlowAgent()
+    agent.runs_s = 0.0
+    w = _writer(agent)
+    try:
+        token = _proven(agent, w, "v")
+        first, second = _write("v", token, large=True), _write("v", token, large=True)
+        assert w(first) == {"ok": True} and w(second) == {"ok": True}
+        _posted(agent, 1)  # the first is copying now, the second waits
+        t0 = time.monotonic()
+        abort = w(ww.with_token(ww.abort_msg("v", second["nonce"]), token))
+        assert _proven(agent, w, "other")  # another sink is served meanwhile
+        assert time.monotonic() - t0 < 0.2
+        assert abort == {"ok": True, "state": "aborted"}
+        time.sleep(0.5)
+        assert len(agent.handles) == 1  # the withdrawn write was never made
+        assert w(second) == {"ok": False, "reason": "error", "error": "nonce already used"}
+    finally:
+        w.close()
+
+
+class _NoMemoryAgent(_Agent):
+    def initialize_xfer(self, *args: Any) -> _Handle:
+        raise RuntimeError("no such memory")
+
+
+@pytest.mark.parametrize("large", [False, True], ids=["posted here", "posted by the poster"])
+def test_a_write_that_cannot_be_made_is_told_to_its_sink(large: bool) -> None:
+    """A write that cannot be made (nothing of it runs) is told to its sink (``E`` +
+    nonce), made on the side-channel thread or on the poster's; its nonce is not taken
+    again."""
+    agent = _NoMemoryAgent()
+    w = _writer(agent)
+    try:
+        token = _proven(agent, w, "v")
+        msg = _write("v", token, large=large)
+        assert w(msg) == {"ok": True}
+        deadline = time.monotonic() + 5
+        while ("v", b"E" + msg["nonce"]) not in agent.notified:
+            assert time.monotonic() < deadline, agent.notified
+            time.sleep(0.01)
+        assert w(msg)["reason"] == "error"
+    finally:
+        w.close()
 
 
 def _ask(w: Writer, name: str, md: bytes, tokens: tuple[bytes, ...] = ()) -> dict[str, Any]:

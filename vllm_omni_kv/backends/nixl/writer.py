@@ -2,17 +2,21 @@
 
 Sinks (who may be written to, their tokens and table sets) are kept by
 :class:`~.sinks.Sinks`; table sets, writes and aborts for a sink must carry its token. A
-``nixl_write`` is checked against the sink's registered ranges and this agent's, made from
-prepared lists (pages) or descriptors (ranges), posted with the notification ``D`` + nonce
-(NIXL delivers it after the bytes), and answered at once. A reaper thread releases each
-write when it ends; one that fails is released and its sink told ``E`` + nonce. A
-running write is never released (that does not stop its bytes over every transport):
-``nixl_write_abort`` answers ``running`` until it ended, and one that outruns its
-``ttl_s`` is logged and waited for. The nonce of a write aborted before it was seen is
-remembered, so a late request with it is refused. A write's handle is checked and released
-only under its own lock, once: the reaper and an abort never touch a released handle.
-Bounded: :data:`MAX_RUNNING` (and :data:`MAX_RUNNING_PER_SINK`), :data:`MAX_TOMBS`, and
-the bounds of :mod:`.sinks`.
+``nixl_write`` is checked against the sink's registered ranges and this agent's, made
+from prepared lists (pages) or descriptors (ranges) and posted with the notification
+``D`` + nonce (NIXL delivers it after the bytes), and answered at once; a write of
+:data:`POST_HERE_MAX` bytes or more is made and posted on the :class:`~.poster.Poster`'s
+thread instead, as posting may copy its bytes. A write that cannot be made or posted is
+told to its sink: ``E`` + nonce. A reaper
+thread releases each write when it ends; one that fails is released and its sink told
+``E`` + nonce. A running write is never released (that does not stop its bytes over every
+transport): ``nixl_write_abort`` answers ``running`` until it ended (``aborted`` for one
+still waiting to be posted, which then never is), and one that outruns its ``ttl_s`` is
+logged and waited for. The nonce of a write aborted before it was seen is remembered, so a
+late request with it is refused. A write's handle is checked and released only under its
+own lock, once: the reaper and an abort never touch a released handle. Bounded:
+:data:`MAX_RUNNING` (and :data:`MAX_RUNNING_PER_SINK`, writes waiting to be posted
+included), :data:`MAX_TOMBS`, and the bounds of :mod:`.sinks`.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import numpy as np
 from vllm_omni_kv.backends.backoff import Backoff
 from vllm_omni_kv.backends.nixl import write_wire as ww
 from vllm_omni_kv.backends.nixl.memory import Kind, Span, kind_of, tables_kind, use_device
+from vllm_omni_kv.backends.nixl.poster import Poster
 from vllm_omni_kv.backends.nixl.prepared_lists import LOCAL_SIDE, PreparedLists
 from vllm_omni_kv.backends.nixl.sinks import Sinks, TableSet
 from vllm_omni_kv.errors import KVTransferError
@@ -40,6 +45,9 @@ logger = init_logger(__name__)
 MAX_RUNNING = 1024
 MAX_RUNNING_PER_SINK = 256
 MAX_TOMBS = 4096
+#: writes of fewer bytes are posted on the side-channel thread (a hand-off to the poster
+#: costs more than their copy); larger ones on the poster's
+POST_HERE_MAX = 4 << 20
 TOMB_S = 600.0
 
 
@@ -92,6 +100,7 @@ class Writer:
         self._running: dict[bytes, _Running] = {}
         self._tombs: OrderedDict[bytes, float] = OrderedDict()
         self._reaper: threading.Thread | None = None
+        self._poster = Poster(self._posted)  # makes and posts the writes accepted here
         self._added = 0  # writes tracked so far: a new one restarts the reaper's backoff
         self._closed = False
 
@@ -121,18 +130,29 @@ class Writer:
         if req.pages is not None and tset is None:
             return {"ok": False, "reason": "need_tables"}
         with self._lock:
-            if req.nonce in self._tombs or req.nonce in self._running:
+            used = req.nonce in self._tombs or req.nonce in self._running
+            if used or self._poster.state(req.nonce) is not None:
                 return {"ok": False, "reason": "error", "error": "nonce already used"}
             mine = sum(1 for r in self._running.values() if r.sink == req.agent)
-            if len(self._running) >= MAX_RUNNING or mine >= MAX_RUNNING_PER_SINK:
+            mine += self._poster.count(req.agent)
+            if len(self._running) + self._poster.count() >= MAX_RUNNING:
+                return {"ok": False, "reason": "busy"}
+            if mine >= MAX_RUNNING_PER_SINK:
                 return {"ok": False, "reason": "busy"}
         notif = b"D" + req.nonce
         if req.pages is not None and tset is not None:
             make, kind = self._pages(req.agent, sink.spans, req.pages, tset, notif)
+            nbytes = (
+                len(req.pages.layers) * len(req.pages.pairs) * max(t.page_bytes for t in tset[0])
+            )
         else:
             assert req.ranges is not None
             make, kind = self._ranges(req.agent, sink.spans, req.ranges, notif)
-        self._post(req, make, kind)
+            nbytes = int(req.ranges[:, 2].sum())
+        if nbytes < POST_HERE_MAX:  # copied (if at all) in well under a millisecond
+            self._posted(req.nonce, (req, make, kind))
+        else:
+            self._poster.submit(req.nonce, req.agent, (req, make, kind))
         return {"ok": True}
 
     def _pages(
@@ -177,23 +197,36 @@ class Writer:
 
         return make, (smem, sdev)
 
-    def _post(self, req: ww.WriteRequest, make: Callable[[], Any], kind: Kind) -> None:
-        """Post one write and track it. A post that failed once its handle existed is
-        tracked too unless its handle is released: NIXL may have posted part of it, so the
-        sink's abort must find it (the reaper releases it)."""
-        use_device(kind)  # the source's device: this thread posts and polls on its context
+    def _posted(self, nonce: bytes, job: tuple[ww.WriteRequest, Callable[[], Any], Kind]) -> None:
+        """Make and post one write (on the poster's thread) and track it. A post that
+        failed once its handle existed is tracked too unless its handle is released: NIXL
+        may have posted part of it, so the sink's abort must find it (the reaper tells the
+        sink once it ended). A write that failed with nothing running is told ``E`` now."""
+        req, make, kind = job
+        use_device(kind)  # the source's device: this thread posts on its context
         try:
             handle = make()
         except Exception as e:
-            raise KVTransferError(f"NIXL could not make a write to {req.agent!r}: {e}") from None
+            self._failed(req, f"could not be made: {e}")
+            return
         try:
             state, why = str(self._agent.transfer(handle)), "ERR"
         except Exception as e:
             state, why = "ERR", str(e)
         if state != "ERR" or not _release(handle):
             self._track(req, handle, kind)
-        if state == "ERR":
-            raise KVTransferError(f"NIXL could not post a write to {req.agent!r}: {why}")
+        else:
+            self._failed(req, f"could not be posted: {why}")
+
+    def _failed(self, req: ww.WriteRequest, why: str) -> None:
+        """Tell the sink that a write of which nothing runs failed."""
+        logger.warning("a NIXL write to %s %s; the sink is told", req.agent, why)
+        with self._lock:
+            self._tomb(req.nonce)
+        try:
+            self._agent.send_notif(req.agent, b"E" + req.nonce)
+        except Exception as e:
+            logger.debug("NIXL could not tell %s of a failed write: %s", req.agent, e)
 
     def _track(self, req: ww.WriteRequest, handle: Any, kind: Kind) -> None:
         with self._lock:
@@ -211,6 +244,17 @@ class Writer:
         known = self._sinks.of(agent, token) is not None
         with self._lock:
             run = self._running.get(nonce)
+            queued = self._poster.state(nonce)
+            if run is None and queued == "posting":
+                return {"ok": True, "state": "running"}  # tracked once its post returns
+            if (
+                run is None
+                and queued == "waiting"
+                and known
+                and self._poster.withdraw(nonce, agent)
+            ):
+                self._tomb(nonce)
+                return {"ok": True, "state": "aborted"}  # never posted
             if run is None:  # not seen (yet): refused when it comes, if its sink sent this
                 if known:
                     self._tomb(nonce)
@@ -272,6 +316,7 @@ class Writer:
     def close(self) -> None:
         """Abort every running write (its sink's wait ends by its own deadline) and let go
         of the agent."""
+        self._poster.close()
         with self._lock:
             self._closed = True
             runs, self._running = list(self._running.values()), {}
