@@ -35,7 +35,7 @@ logger = init_logger(__name__)
 
 #: largest pool block a staged pull (consumer cache not registered) reads at a time
 STAGE_BYTES = 4 << 20
-#: how long a failed copy waits for reads still writing into the consumer's cache
+#: how often a failed copy waiting for reads still writing into the consumer's cache logs
 DRAIN_S = 10.0
 WHAT = "registered cache pages"
 
@@ -139,7 +139,14 @@ class PagePull:
         when_reads_end(self.reads, buf.release)
 
     def drain(self) -> None:
-        """After a failure: wait (bounded) for reads still writing into the local cache."""
-        cf.wait(self.reads, timeout=DRAIN_S)
-        if any(not f.done() for f in self.reads):
-            logger.error("a registered-cache read did not end within %gs of failing", DRAIN_S)
+        """After a failure: wait for every read still writing into the local cache (one
+        given up on lands bytes until its transfer ends), logging each :data:`DRAIN_S`.
+        The load is reported failed only then, so vLLM never reuses pages under a read."""
+        waited = 0.0
+        while cf.wait(self.reads, timeout=DRAIN_S).not_done:
+            waited += DRAIN_S
+            logger.error(
+                "a registered-cache read still runs %gs after its copy failed; the pages it "
+                "writes stay with their request until it ends",
+                waited,
+            )
