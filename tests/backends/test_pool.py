@@ -2,7 +2,7 @@
 its dtype and shape come from the sender, so only a dtype this build knows and a shape of
 non-negative integers that fits in the buffer make a view; anything else is a
 ``KVPayloadError``, and no shape makes the receiver allocate (an empty buffer described as
-a huge tensor once did)."""
+a huge tensor, say)."""
 
 from __future__ import annotations
 

@@ -206,7 +206,7 @@ def test_metadata_naming_another_agent_is_unloaded() -> None:
 
 def test_metadata_naming_an_agent_that_is_not_utf8_is_refused_and_unloaded() -> None:
     """An agent name of bytes that are not UTF-8 is refused with a ``KVTransferError``
-    (it was a ``UnicodeDecodeError``), and the agent it loaded is unloaded by those bytes."""
+    (not a ``UnicodeDecodeError``), and the agent it loaded is unloaded by those bytes."""
     agent = _Agent()
     w = _writer(agent)
     try:

@@ -215,6 +215,6 @@ def test_a_callers_endpoint_that_is_not_a_number_is_a_transfer_error(
     pair: PullPair, md: dict[str, Any]
 ) -> None:
     """A port or sender rank in a caller's metadata that is not an integer fails the get
-    with a ``KVTransferError`` naming the field (it was a ``ValueError``)."""
+    with a ``KVTransferError`` naming the field."""
     with pytest.raises(KVTransferError, match="must be an integer"):
         pair.receiver.get(FROM, TO, "anything", md)

@@ -797,9 +797,9 @@ def _slow_engine(ends_in: float) -> Any:
 def test_a_polled_read_never_returns_while_its_transfer_runs(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A transfer still running past the read's bound is waited for to its end (the
-    caller frees the destination once the read returns), with a warning; it used to be
-    left running while the read raised, and its destination was reused under it."""
+    """A transfer still running past the read's bound is waited for to its end, with a
+    warning: the caller frees the destination once the read returns, so a read that
+    raised while its transfer ran would let the destination be reused under it."""
     from vllm_omni_kv.backends.pull import mooncake
 
     monkeypatch.setattr(mooncake, "_sync_timeout_s", lambda _n: 0.1)
