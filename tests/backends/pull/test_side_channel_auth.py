@@ -340,6 +340,31 @@ def test_a_stalled_request_loses_its_connection() -> None:
         server.close()
 
 
+def test_a_request_trickled_a_byte_at_a_time_loses_its_connection() -> None:
+    """A request must arrive whole within ``stall_s`` of its first byte: a peer sending
+    one byte every 0.1 s (never stalled for long) holds its slot no longer than that."""
+    server = SideChannelServer("127.0.0.1", 0, lambda m: {"ok": True}, stall_s=0.5)
+    try:
+        with connect(server.endpoint, timeout=5.0) as sock:
+            sock.sendall(struct.pack(">I", 100))
+            t0 = time.monotonic()
+            closed = None
+            for _ in range(50):
+                try:
+                    sock.sendall(b"\x80")
+                except OSError:
+                    closed = time.monotonic() - t0
+                    break
+                time.sleep(0.1)
+            if closed is None:
+                assert read_frame(sock) is None
+                closed = time.monotonic() - t0
+            assert 0.4 <= closed < 2.5, closed
+        assert wait_until(lambda: server.open_peers == 0, 5)
+    finally:
+        server.close()
+
+
 def test_beyond_the_peer_cap_a_new_connection_replaces_an_idle_one_or_is_closed() -> None:
     server = SideChannelServer("127.0.0.1", 0, lambda m: {"ok": True}, max_peers=4)
     socks = [connect(server.endpoint) for _ in range(4)]

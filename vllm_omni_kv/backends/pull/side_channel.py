@@ -11,7 +11,8 @@ at a time (a longer one closes the connection before a byte of it is read) and r
 next only once its reply went out. So what it buffers for its peers is at most
 ``MAX_PEERS * (MAX_REQUEST + one reply)``: 8.3 MiB with replies of 17 KiB (an
 ``acquire`` reply carries a block of at most 16 KiB, :data:`.exposure.INLINE_MAX`). A
-connection that stalls mid-request or does not take its reply for :data:`STALL_S` is closed.
+connection whose request does not arrive whole, or whose reply is not taken whole, within
+:data:`STALL_S` of its first byte is closed.
 
 With an auth key (:mod:`vllm_omni_kv.wire.auth`) on both ends, every message is a
 keyed envelope (:mod:`.envelope`): a header with a timestamp, a nonce, the boot id of
@@ -74,7 +75,8 @@ Handler = Callable[[dict[str, Any]], dict[str, Any]]
 MAX_PEERS = 256
 #: at the cap, a new connection replaces one idle at least this long (else it is closed)
 EVICT_IDLE_S = 1.0
-#: a connection stalled this long mid-request, or not taking its reply, is closed
+#: a connection whose request does not arrive whole, or whose reply is not taken whole,
+#: this long after it began is closed (a peer trickling bytes holds a slot no longer)
 STALL_S = 10.0
 #: requests a server answers per second (a token bucket of this many, refilled continuously);
 #: beyond that it replies ``busy`` without running the handler, and clients retry
@@ -93,7 +95,7 @@ class _Peer:
     being written; never both."""
 
     sock: socket.socket
-    since: float  # when it last made progress (read or written bytes, or went idle)
+    since: float  # when its current request or reply began, or it went idle
     buf: bytearray = field(default_factory=bytearray)
     need: int = LENGTH.size  # bytes still to read of the current part
     body: bool = False  # reading the body (else the length prefix)
@@ -246,9 +248,10 @@ class SideChannelServer:
         if not data:
             self._close(peer)
             return
+        if peer.idle:  # a request begins: it must arrive whole within stall_s
+            peer.since = time.monotonic()
         peer.buf += data
         peer.need -= len(data)
-        peer.since = time.monotonic()
         if peer.need:
             return
         if not peer.body:
@@ -274,7 +277,8 @@ class SideChannelServer:
             self._close(peer)
             return
         rest = out[sent:]
-        peer.since = time.monotonic()
+        if peer.out is None or not rest.nbytes:  # a reply begins, or ends (idle from now)
+            peer.since = time.monotonic()
         if rest.nbytes:
             if peer.out is None:
                 self._sel.modify(peer.sock, selectors.EVENT_WRITE, peer)
