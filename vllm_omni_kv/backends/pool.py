@@ -212,17 +212,12 @@ class ManagedBuffer(Closing):
         dims = shape if type(shape) in (list, tuple) and len(shape) <= MAX_DIMS else None
         if dtype is None or dims is None or any(type(d) is not int or d < 0 for d in dims):
             raise KVPayloadError(f"a received buffer described as {name!r} {shape!r}: not a tensor")
-        n = torch.empty((), dtype=dtype).element_size()
-        for d in dims:
-            n *= d
-        if n > self.size:
+        try:
+            return self.as_tensor(dtype, dims)  # checks the bytes it needs against the buffer
+        except ValueError as e:
             raise KVPayloadError(
-                f"a received buffer of {self.size} bytes described as {name} {list(dims)} "
-                f"({n} bytes)"
-            )
-        if self.size == 0:
-            return torch.empty(tuple(dims), dtype=dtype)
-        return self.as_tensor(dtype, dims)
+                f"a received buffer described as {name} {list(dims)}: {e}"
+            ) from None
 
     def release(self) -> None:
         """Give the block back to the pool; later calls are no-ops."""

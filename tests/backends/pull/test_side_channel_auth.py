@@ -25,6 +25,7 @@ from vllm_omni_kv.backends.pull.side_channel import (
     SideChannelServer,
     pack,
 )
+from vllm_omni_kv.backends.rate import TokenBucket
 from vllm_omni_kv.errors import KVPayloadError
 from vllm_omni_kv.wire.auth import AuthKey
 
@@ -306,7 +307,7 @@ def test_a_flood_of_releases_does_not_lock_acquires_out() -> None:
 
 def test_refused_requests_are_charged_to_the_bucket(keyed: _Server) -> None:
     endpoint = f"tcp://127.0.0.1:{keyed.server.port}"
-    keyed.server._rate = keyed.server._tokens = 5.0
+    keyed.server._bucket = TokenBucket(5.0, 5.0)
     for _ in range(20):  # wrong key: refused, and each refusal costs a token
         _raw(endpoint, _request(OTHER, {"x": 1}, keyed.server.boot)[0])
     _raw(endpoint, _request(KEY, {"x": 2}, keyed.server.boot)[0])  # answered busy

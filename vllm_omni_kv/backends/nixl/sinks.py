@@ -37,6 +37,7 @@ from vllm_omni_kv.backends.nixl.handshake import add_agent
 from vllm_omni_kv.backends.nixl.memory import Span
 from vllm_omni_kv.backends.nixl.prepared_lists import PreparedLists
 from vllm_omni_kv.backends.pull.page_reads import PageTable
+from vllm_omni_kv.backends.rate import TokenBucket
 from vllm_omni_kv.errors import KVTransferError
 
 MAX_SINKS = 256
@@ -86,7 +87,7 @@ class Sinks:
         self._pending: OrderedDict[bytes, _Pending] = OrderedDict()  # challenge -> proof
         self._loaded: dict[str, bytes] = {}  # name -> digest of the metadata loaded last
         self._sets: OrderedDict[tuple[str, bytes], TableSet] = OrderedDict()
-        self._loads, self._refilled = float(MAX_PENDING), time.monotonic()  # load budget
+        self._loads = TokenBucket(LOAD_RATE, MAX_PENDING)  # metadata loads (under _loading)
 
     # -- asking and proving ----------------------------------------------------------
     def request(self, msg: dict[str, Any]) -> dict[str, Any]:
@@ -100,7 +101,7 @@ class Sinks:
             if loaded != digest:
                 if sink is not None and not any(hmac.compare_digest(t, sink.token) for t in tokens):
                     return _refused("a proven sink's metadata changes only with its token")
-                if not self._may_load():
+                if not self._loads.take():
                     return {"ok": False, "reason": "busy"}
                 self._load(name, md, digest)
             with self._lock:
@@ -115,16 +116,6 @@ class Sinks:
         except Exception as e:
             raise KVTransferError(f"cannot reach NIXL agent {name!r} to prove it: {e}") from None
         return {"ok": True, "challenged": True}
-
-    def _may_load(self) -> bool:
-        """Take one metadata load from the budget (:data:`LOAD_RATE`), if there is one."""
-        now = time.monotonic()
-        self._loads = min(MAX_PENDING, self._loads + (now - self._refilled) * LOAD_RATE)
-        self._refilled = now
-        if self._loads < 1:
-            return False
-        self._loads -= 1
-        return True
 
     def prove(self, name: str, challenge: bytes) -> dict[str, Any]:
         """A proof: ``name`` becomes a sink with ``challenge`` as its token, if the

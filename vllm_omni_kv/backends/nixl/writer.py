@@ -135,9 +135,8 @@ class Writer:
                 return {"ok": False, "reason": "error", "error": "nonce already used"}
             mine = sum(1 for r in self._running.values() if r.sink == req.agent)
             mine += self._poster.count(req.agent)
-            if len(self._running) + self._poster.count() >= MAX_RUNNING:
-                return {"ok": False, "reason": "busy"}
-            if mine >= MAX_RUNNING_PER_SINK:
+            all_ = len(self._running) + self._poster.count()
+            if all_ >= MAX_RUNNING or mine >= MAX_RUNNING_PER_SINK:
                 return {"ok": False, "reason": "busy"}
         notif = b"D" + req.nonce
         if req.pages is not None and tset is not None:
@@ -219,14 +218,18 @@ class Writer:
             self._failed(req, f"could not be posted: {why}")
 
     def _failed(self, req: ww.WriteRequest, why: str) -> None:
-        """Tell the sink that a write of which nothing runs failed."""
-        logger.warning("a NIXL write to %s %s; the sink is told", req.agent, why)
+        """A write of which nothing runs failed: its nonce is spent and its sink told."""
         with self._lock:
             self._tomb(req.nonce)
+        self._tell_failed(req.agent, req.nonce, why)
+
+    def _tell_failed(self, sink: str, nonce: bytes, why: str) -> None:
+        """Notify ``sink`` that its write ``nonce`` failed (``E`` + nonce)."""
+        logger.warning("a NIXL write to %s %s; the sink is told", sink, why)
         try:
-            self._agent.send_notif(req.agent, b"E" + req.nonce)
+            self._agent.send_notif(sink, b"E" + nonce)
         except Exception as e:
-            logger.debug("NIXL could not tell %s of a failed write: %s", req.agent, e)
+            logger.debug("NIXL could not tell %s of a failed write: %s", sink, e)
 
     def _track(self, req: ww.WriteRequest, handle: Any, kind: Kind) -> None:
         with self._lock:
@@ -305,13 +308,8 @@ class Writer:
             if self._running.pop(nonce, None) is None:
                 return  # aborted meanwhile
         run.release()
-        if state == "DONE":
-            return
-        logger.warning("NIXL write to %s ended %s; the sink is told", run.sink, state)
-        try:
-            self._agent.send_notif(run.sink, b"E" + nonce)
-        except Exception as e:
-            logger.debug("NIXL could not tell %s of a failed write: %s", run.sink, e)
+        if state != "DONE":
+            self._tell_failed(run.sink, nonce, f"ended {state}")
 
     def close(self) -> None:
         """Abort every running write (its sink's wait ends by its own deadline) and let go

@@ -334,7 +334,6 @@ class RawPullStream(PayloadStream):
     def close(self) -> None:
         self._lease.end(True)
         if not self._loaded:  # never handed out: free it once no engine read runs into it
-            reads, self._reads = self._reads, []
-            when_reads_end(reads, self._local.release)
-        self._loaded = True  # (released once)
+            self._loaded = True  # (once: a second close must not free it under a read)
+            when_reads_end(self._reads, self._local.release)
         self.obj = None

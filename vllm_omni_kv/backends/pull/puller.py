@@ -4,11 +4,11 @@
 move's pages out of a registered cache) on the connector's pull threads, bounded by a
 timeout and a cancel event; a stalled read is abandoned and keeps its destination alive
 until it ends (:func:`when_reads_end`), and so does a transfer an engine gave up on but
-cannot stop (:class:`ReadStillRunning`: its pull thread is free meanwhile). Each thread is bound first to the CUDA device the
-reads touch (:attr:`Puller.device`: a device pool's or registered cache's, else the
-device of the thread asking): engines move device memory with the calling thread's
-current device and context (UCX's CUDA transports need one; Mooncake otherwise bounces
-every rank's reads through device 0).
+cannot stop (:class:`ReadStillRunning`: its pull thread is free meanwhile). Each thread
+is bound first to the CUDA device the reads touch (:attr:`Puller.device`: a device
+pool's or registered cache's, else the device of the thread asking): engines move device
+memory with the calling thread's current device and context (UCX's CUDA transports need
+one; Mooncake otherwise bounces every rank's reads through device 0).
 """
 
 from __future__ import annotations

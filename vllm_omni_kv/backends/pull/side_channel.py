@@ -50,6 +50,7 @@ from vllm_omni_kv.backends.pull.framing import (
     pack,
     unpack,
 )
+from vllm_omni_kv.backends.rate import TokenBucket
 from vllm_omni_kv.errors import KVTransferError
 from vllm_omni_kv.kvcache.kv_utils import kv_zmq_port, sender_rank_port
 from vllm_omni_kv.logger import init_logger
@@ -134,9 +135,7 @@ class SideChannelServer:
         self.boot = os.urandom(BOOT_SIZE)
         self._gate = None if auth is None else KeyedGate(auth, self.boot, MAX_SKEW_S, MAX_NONCES)
         self._refusal_logged = -math.inf
-        self._rate = float(max_rate)
-        self._tokens = self._rate
-        self._refilled = time.monotonic()
+        self._bucket = TokenBucket(max_rate, max_rate)
         self._on_idle = on_idle
         self._idle_interval = max(0.01, idle_interval_s)
         self.max_peers, self.stall_s = max_peers, stall_s
@@ -295,8 +294,6 @@ class SideChannelServer:
     def _answer(self, payload: bytes) -> bytes:
         """The reply to one request (sealed when the request was)."""
         now = time.monotonic()
-        self._tokens = min(self._rate, self._tokens + (now - self._refilled) * self._rate)
-        self._refilled = now
         header: Header | None = None
         try:
             if self._gate is not None:
@@ -309,11 +306,10 @@ class SideChannelServer:
                 msg = unpack(payload)
             op = msg.get("op")
             exempt = type(op) is str and op in EXEMPT_OPS  # answered always, free of charge
-            if self._tokens < 1 and not exempt:
-                reply = {"ok": False, "reason": "busy"}
-            else:
-                self._tokens -= 0 if exempt else 1
+            if exempt or self._bucket.take():
                 reply = self._handler(msg)
+            else:
+                reply = {"ok": False, "reason": "busy"}
         except KVTransferError as e:  # a malformed request: answer it, no traceback
             logger.debug("side-channel request refused: %s", e)
             reply = {"ok": False, "reason": "error", "error": str(e)}
@@ -324,7 +320,7 @@ class SideChannelServer:
 
     def _refused(self, refusal: dict[str, Any], now: float) -> None:
         """A request the gate refused: it costs the bucket; warn at most every 10 s."""
-        self._tokens = max(0.0, self._tokens - 1)
+        self._bucket.charge()
         if refusal.get("reason") == "unauthenticated" and now - self._refusal_logged >= 10.0:
             self._refusal_logged = now
             logger.warning("side channel refused a request: %s", refusal.get("error"))
