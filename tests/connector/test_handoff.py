@@ -48,6 +48,7 @@ class Port:
         self.taken_back: list[str] = []
         self.revoked: list[str] = []
         self.expired_holds: list[str] = []
+        self.refuse_expiry = False  # a region that cannot take a hold from its reader
 
     def lease_until(self, key: str) -> float | None:
         return self.lease.get(key, 0.0)
@@ -68,6 +69,8 @@ class Port:
         return True
 
     def expire_hold(self, hold: str) -> bool:
+        if self.refuse_expiry:
+            return False
         self.expired_holds.append(hold)  # marked and gone; its reader's copy will fail
         return True
 
@@ -187,6 +190,21 @@ def test_a_claim_past_the_lease_and_its_grace_is_taken_back_from_its_reader() ->
     assert h.state is S.EXPIRED and port.expired_holds == ["h"]
     assert port.withdrawn == [("k", 1)] and own.expired == 1
     assert own.done(set()) == {"r"}, "vLLM may free the blocks now"
+
+
+def test_blocks_a_reader_cannot_be_told_to_drop_stay_held() -> None:
+    """A hold the region could not take back from its reader keeps the blocks from vLLM
+    (a copy of reused pages would pass); the next tick tries again."""
+    own, port = _owner(grace=2.0)
+    h = own.published("r", "k", hold="h")
+    port.reading.add("h")
+    port.refuse_expiry = True
+    own.check(h.deadline + 2.0)
+    assert h.state is S.CLAIMED and own.done({"r"}) == set() and not port.withdrawn
+    port.refuse_expiry = False
+    own.check(h.deadline + 3.0)
+    assert h.state is S.EXPIRED and port.expired_holds == ["h"]
+    assert own.done(set()) == {"r"}
 
 
 def test_a_claimed_payload_whose_reader_died_expires() -> None:

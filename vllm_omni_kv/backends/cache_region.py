@@ -238,24 +238,16 @@ class CacheRegion(ABC):
         """Remove ``hold`` unless a consumer is reading under it right now; True when it is
         gone (taken back, or released)."""
 
+    @abstractmethod
     def expire_hold(self, hold: str) -> bool:
         """Take ``hold`` back although a consumer may still be reading under it (it held
-        the blocks past the lease and its grace); True when it is gone. The default
-        revokes it, then takes it back only where no reader holds it (a region whose
-        readers hold leases with deadlines of their own)."""
-        self.revoke(hold)
-        return self.take_back(hold)
+        the blocks past the lease and its grace): that consumer's copy must fail when it
+        ends. True when it is gone; False keeps the blocks from vLLM."""
 
+    @abstractmethod
     def revoke(self, hold: str) -> None:
         """The blocks under ``hold`` were freed (vLLM preempted the request): a consumer
-        copying under it must fail. The default (a region that cannot tell its readers)
-        logs it; page digests (``verify_pages``) still catch reused pages there."""
-        logger.warning(
-            "%s: blocks of hold %s were freed while it was published; a consumer copying "
-            "them now is not told (enable verify_pages to catch reused pages)",
-            self.describe(),
-            hold,
-        )
+        copying under it must fail when its copy ends."""
 
     # -- sleep mode (vLLM's unregister_kv_caches / restore_kv_caches) -------------------
     @property

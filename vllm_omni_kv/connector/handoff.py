@@ -257,11 +257,17 @@ class ProducerHandoffs:
         """Take ``h`` to EXPIRED or WITHDRAWN: withdraw the payload, take back its hold
         (a reader copying keeps it CLAIMED until it releases, or until ``force``)."""
         if h.shares_blocks and not self.port.take_back(h.hold):
-            if not force:
+            if not force or not self.port.expire_hold(h.hold):
                 if h.state is S.PUBLISHED:
                     h.claim()
+                if force:
+                    logger.warning(
+                        "could not take the blocks of KV payload %s of %s back from a "
+                        "consumer past its lease and grace: kept them (tried again later)",
+                        h.key,
+                        h.req_id,
+                    )
                 return
-            self.port.expire_hold(h.hold)
             logger.warning(
                 "a consumer held the blocks of KV payload %s of %s for %gs past its lease "
                 "(hold_grace) without finishing its copy (stopped or stuck): took them back; "

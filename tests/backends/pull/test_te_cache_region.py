@@ -114,6 +114,11 @@ def producer_main(conn: Connection, backend: str, cfg: dict[str, Any]) -> None:
                 conn.send({"ok": region.released(msg["hold"])})
             elif op == "take_back":
                 conn.send({"ok": region.take_back(msg["hold"])})
+            elif op == "revoke":  # vLLM preempted the request and freed its blocks
+                region.revoke(msg["hold"])
+                conn.send({"ok": True})
+            elif op == "expire_hold":  # the reader kept them past its lease and grace
+                conn.send({"ok": region.expire_hold(msg["hold"])})
             elif op == "scribble":  # rewrite one page of layer 0 after it was described
                 page_view(caches[0], IDENT)[msg["block"]].add_(1.0)
                 conn.send({"ok": True})
@@ -261,6 +266,28 @@ def test_take_back_after_the_lease_ran_out_fails_the_copy(producer: Producer) ->
             with pytest.raises(KVTransferError, match="took back"):
                 _copy(c, stream, caches, list(range(len(SRC))))
         # a late consumer finds nothing
+        assert c.open_stream(FROM, TO, key) is None
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("op", ["revoke", "expire_hold"])
+def test_blocks_freed_under_a_live_lease_fail_the_copy(producer: Producer, op: str) -> None:
+    """vLLM gets the blocks back while a consumer's lease on them is still live (a
+    preemption, or a reader past the handoff's grace): the copy fails, never passes."""
+    c = _consumer(producer, transfer_timeout_s=60)  # the lease outlives the test
+    try:
+        _buf, caches = _local_cache(c, True)
+        key = _key()
+        hold = producer.call(op="publish", key=key, blocks=SRC)["hold"]
+        stream = c.open_stream(FROM, TO, key)
+        assert stream is not None
+        with stream:
+            assert producer.call(op="take_back", hold=hold)["ok"] is False  # the lease holds
+            assert producer.call(op=op, hold=hold)["ok"] is True
+            assert producer.call(op="released", hold=hold)["ok"] is True
+            with pytest.raises(KVTransferError, match="took back"):
+                _copy(c, stream, caches, list(range(len(SRC))))
         assert c.open_stream(FROM, TO, key) is None
     finally:
         c.close()

@@ -224,10 +224,17 @@ class TECacheRegion(CacheRegion):
                 self._holds.discard(hold)
         return gone
 
+    def revoke(self, hold: str) -> None:
+        """vLLM freed the blocks under ``hold`` (a preemption): stop exposing it even under
+        a live lease, so that a pull copying them fails at its release."""
+        self.conn._exposed.revoke(hold)
+        self._gone(hold, True)
+
     def expire_hold(self, hold: str) -> bool:
-        # a puller's lease has a deadline of its own (at most buffer_ttl_s): past it, the
-        # block goes, and the puller's release finds its lease gone and fails the copy
-        return self.take_back(hold)
+        # the reader held the blocks past its lease and the grace: they go back to vLLM
+        # now, so its lease goes too (its release fails the copy instead of passing it)
+        self.revoke(hold)
+        return True
 
     def hold_name(self, from_stage: str, to_stage: str, key: str) -> str:
         return edge_key(key, from_stage, to_stage)
