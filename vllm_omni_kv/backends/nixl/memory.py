@@ -3,6 +3,7 @@ when a READ of a peer's device memory is likely to run at TCP speed."""
 
 from __future__ import annotations
 
+import functools
 import socket
 
 import torch
@@ -97,7 +98,13 @@ def _this_host(host: str) -> bool:
     """Whether ``host`` names this machine (loopback, or one of its own addresses)."""
     if host in ("localhost", "::1") or host.startswith("127."):
         return True
+    return host in _own_addresses()
+
+
+@functools.cache
+def _own_addresses() -> frozenset[str]:
+    """This machine's addresses by its host name (looked up once per process)."""
     try:
-        return host in {a[4][0] for a in socket.getaddrinfo(socket.gethostname(), None)}
+        return frozenset(str(a[4][0]) for a in socket.getaddrinfo(socket.gethostname(), None))
     except OSError:
-        return False
+        return frozenset()

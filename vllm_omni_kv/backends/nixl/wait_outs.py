@@ -13,7 +13,6 @@ goes, and the producers' writes to it fail).
 from __future__ import annotations
 
 import concurrent.futures as cf
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -22,7 +21,8 @@ from dataclasses import dataclass, field
 from vllm_omni_kv.backends.nixl import write_wire as ww
 from vllm_omni_kv.backends.pull.framing import split_endpoint
 from vllm_omni_kv.backends.pull.side_channel import SideChannelClient
-from vllm_omni_kv.errors import OmniKVError
+from vllm_omni_kv.backends.resolve import connect
+from vllm_omni_kv.errors import KVTransferError, OmniKVError
 from vllm_omni_kv.logger import init_logger
 
 logger = init_logger(__name__)
@@ -149,9 +149,9 @@ def _gone(endpoint: str) -> bool:
     """Whether nothing listens at ``endpoint`` any more (connection refused)."""
     host, port = split_endpoint(endpoint)
     try:
-        with socket.create_connection((host, port), timeout=1.0):
+        with connect(host, port, time.monotonic() + 1.0):
             return False
     except ConnectionRefusedError:
         return True
-    except OSError:
+    except (OSError, KVTransferError):  # a name that does not resolve proves nothing
         return False

@@ -37,6 +37,7 @@ from vllm_omni_kv.backends.pull.framing import (
     split_endpoint,
     unpack,
 )
+from vllm_omni_kv.backends.resolve import connect
 from vllm_omni_kv.errors import KVPayloadError, KVTransferError, KVTransferTimeout
 from vllm_omni_kv.wire.auth import ENV_KEY_FILE, AuthKey
 
@@ -174,9 +175,9 @@ class SideChannelClient:
             if left <= 0:
                 raise _timeout(endpoint, what)
             try:
-                sock = socket.create_connection((host, port), timeout=left)
+                sock = connect(host, port, deadline)  # the name looked up within it too
                 break
-            except TimeoutError:
+            except (TimeoutError, KVTransferTimeout):
                 raise _timeout(endpoint, what) from None
             except OSError:  # not listening (yet): retry until the deadline
                 time.sleep(min(CONNECT_RETRY_S, max(0.0, deadline - time.monotonic())))
