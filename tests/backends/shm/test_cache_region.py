@@ -337,6 +337,54 @@ def test_sweep_removes_a_killed_producers_cache_and_holds(ns: str, procs: list[A
         cpa.close()
 
 
+def _cache_producer(ns: str, seed: int, conn: Any) -> None:
+    region, pa = _region(ns)
+    with region.allocation_context():
+        kv = torch.zeros(NBYTES, dtype=torch.int8)
+    kv.copy_(_pattern(seed))
+    conn.send({"kind": "shm", "name": region.owner_name, "owner": pa.instance})
+    time.sleep(120)  # SIGKILLed long before
+
+
+def _mapped(name: str) -> bool:
+    gc.collect()
+    with open("/proc/self/maps") as f:
+        return name in f.read()
+
+
+def test_restarted_producers_leave_no_mapping_and_maps_are_bounded(
+    ns: str, procs: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A producer that restarts publishes a new cache; the consumer stops mapping the dead
+    one's at its next new mapping (never read again, it would pin the dead cache's memory).
+    Live producers' caches stay mapped up to ``MAX_MAPS``, least recently used out first."""
+    from vllm_omni_kv.backends.shm import cache_region
+
+    monkeypatch.setattr(cache_region, "MAX_MAPS", 2)
+    consumer, cpa = _region(ns)
+    try:
+        proc, conn = _start(procs, _cache_producer, ns, 1)
+        old = _recv(conn)
+        assert _sha(consumer.attach(old)) == _sha(_pattern(1).view(torch.uint8))
+        proc.kill()
+        proc.join(30)
+        live = [_recv(_start(procs, _cache_producer, ns, seed)[1]) for seed in (2, 3, 4)]
+        assert _sha(consumer.attach(live[0])) == _sha(_pattern(2).view(torch.uint8))
+        assert not _mapped(old["name"]), "a dead producer's cache stays mapped"
+        consumer.attach(live[1])
+        consumer.attach(live[0])  # used again: live[1] is now the least recently used
+        consumer.attach(live[2])
+        assert [_mapped(d["name"]) for d in live] == [True, False, True]
+        assert _sha(consumer.attach(live[1])) == _sha(_pattern(3).view(torch.uint8))
+    finally:
+        consumer.close()
+        cpa.close()
+        for p in procs:
+            p.kill()
+            p.join(30)
+        arena.sweep_orphans()
+
+
 # -- placement: vLLM's allocate_kv_cache, which its model runner runs in get_mem_pool_context
 @pytest.fixture
 def region(ns: str) -> Iterator[ShmCacheRegion]:

@@ -33,6 +33,7 @@ import os
 import struct
 import threading
 import uuid
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -66,6 +67,9 @@ SLEPT = b"\0asleep_"
 #: where the KV bytes start in a cache segment (one page after the slot header)
 KV_OFFSET = 4096
 _SLOT_HEAD = struct.Struct(f"<{arena.SLOT_WORDS}Q")
+#: producers' caches a consumer keeps mapped at most (one per producer rank it reads from;
+#: a mapping of a producer that is gone is dropped at the next new mapping)
+MAX_MAPS = 16
 
 
 class HoldFiles:
@@ -230,7 +234,8 @@ class ShmCacheRegion(HoldFiles, CacheRegion):
         self.tensor: torch.Tensor | None = None
         self._seg: arena.Segment | None = None
         self._context: AllocateHostCache | None = None
-        self._maps: dict[str, tuple[int, mmap.mmap, torch.Tensor]] = {}  # consumer side
+        # consumer side: producers' caches mapped, least recently used first
+        self._maps: OrderedDict[str, tuple[int, mmap.mmap, torch.Tensor]] = OrderedDict()
         self._maps_lock = threading.Lock()
 
     # -- producer ------------------------------------------------------------------------
@@ -328,18 +333,46 @@ class ShmCacheRegion(HoldFiles, CacheRegion):
         name, owner = descriptor.get("name"), descriptor.get("owner")
         if not isinstance(name, str) or not name.startswith(arena.SEG_PREFIX) or "/" in name:
             raise KVPayloadError(f"shared-pages payload names no cache segment: {name!r}")
-        dead: mmap.mmap | None = None
+        if not isinstance(owner, int):
+            raise KVPayloadError(f"shared-pages payload names no producer instance: {owner!r}")
         with self._maps_lock:
             hit = self._maps.get(name)
-            if hit is not None and hit[0] == owner:
-                if self._alive(name, hit[1]):
-                    check_generation(descriptor, _generation(hit[1]))
-                    return hit[2]
-                dead = self._maps.pop(name)[1]  # unmapped below, so its memory can go
-            hit = None
-        if dead is not None:
-            arena.close_map(dead)
+            if hit is not None and hit[0] == owner and self._alive(name, hit[1]):
+                self._maps.move_to_end(name)
+                check_generation(descriptor, _generation(hit[1]))
+                return hit[2]
+            gone = self._stale_locked()  # a producer that restarted left its old cache
+        for mm in gone:
+            arena.close_map(mm)
+        if hit is not None and hit[0] == owner:
             raise self._not_alive(name)
+        mm = self._map(name, owner)
+        try:
+            check_generation(descriptor, _generation(mm))
+        except BaseException:
+            arena.close_map(mm)
+            raise
+        mm.pin_later()  # in the background: this load's copies stay synchronous until it lands
+        size = len(mm)
+        view = torch.frombuffer(
+            arena.exported(mm), dtype=torch.uint8, count=size - KV_OFFSET, offset=KV_OFFSET
+        )
+        with self._maps_lock:
+            old = [v[1] for v in (self._maps.pop(name, None),) if v is not None]
+            self._maps[name] = (owner, mm, view)
+            while len(self._maps) > MAX_MAPS:  # the least recently used goes
+                old.append(self._maps.popitem(last=False)[1][1])
+        for dropped in old:
+            arena.close_map(dropped)
+        return view
+
+    def _stale_locked(self) -> list[mmap.mmap]:
+        """Forget the mappings of producers that are gone (their memory can go back)."""
+        dead = [n for n, (_o, mm, _v) in self._maps.items() if not self._alive(n, mm)]
+        return [self._maps.pop(n)[1] for n in dead]
+
+    def _map(self, name: str, owner: int) -> PinnedMap:
+        """Map the cache segment ``name`` of the live producer instance ``owner``."""
         try:
             fd = os.open(arena.path(name), os.O_RDWR | os.O_NOFOLLOW)
         except FileNotFoundError:
@@ -347,36 +380,28 @@ class ShmCacheRegion(HoldFiles, CacheRegion):
                 f"the producer's KV cache {arena.path(name)} is gone (the producer exited)"
             ) from None
         try:
-            size = os.fstat(fd).st_size
-            if size <= KV_OFFSET:
+            st = os.fstat(fd)
+            if st.st_uid != os.getuid():
+                raise KVPayloadError(
+                    f"{arena.path(name)} belongs to uid {st.st_uid}, not to this process's "
+                    f"uid {os.getuid()}: run producer and consumer as the same user"
+                )
+            if st.st_size <= KV_OFFSET:
                 raise KVPayloadError(f"{arena.path(name)} is not a KV cache segment")
-            mm = PinnedMap(fd, size, flags=mmap.MAP_SHARED)
+            mm = PinnedMap(fd, st.st_size, flags=mmap.MAP_SHARED)
         finally:
             os.close(fd)
         words = np.frombuffer(mm, dtype="<u8", count=arena.SLOT_WORDS)
-        if int(words[W_OWNER]) != owner:
-            del words
-            arena.close_map(mm)
-            raise KVTransferError(f"{arena.path(name)} belongs to another producer instance now")
+        mine = int(words[W_OWNER]) == owner
         del words
-        if not self._alive(name, mm):
+        if not mine or not self._alive(name, mm):
             arena.close_map(mm)
+            if not mine:
+                raise KVTransferError(
+                    f"{arena.path(name)} belongs to another producer instance now"
+                )
             raise self._not_alive(name)
-        try:
-            check_generation(descriptor, _generation(mm))
-        except BaseException:
-            arena.close_map(mm)
-            raise
-        mm.pin_later()  # in the background: this load's copies stay synchronous until it lands
-        view = torch.frombuffer(
-            arena.exported(mm), dtype=torch.uint8, count=size - KV_OFFSET, offset=KV_OFFSET
-        )
-        with self._maps_lock:
-            old = self._maps.pop(name, None)
-            self._maps[name] = (owner, mm, view)
-        if old is not None:
-            arena.close_map(old[1])
-        return view
+        return mm
 
     def _alive(self, name: str, mm: mmap.mmap) -> bool:
         words = _SLOT_HEAD.unpack_from(mm)
@@ -397,7 +422,7 @@ class ShmCacheRegion(HoldFiles, CacheRegion):
         """Consumer: unmap every producer's cache segment."""
         self._views = {}
         with self._maps_lock:
-            maps, self._maps = list(self._maps.values()), {}
+            maps, self._maps = list(self._maps.values()), OrderedDict()
         for _owner, mm, _view in maps:
             arena.close_map(mm)
 
