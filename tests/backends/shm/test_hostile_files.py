@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ import torch
 from vllm_omni_kv import KVCacheTransferData, SharedMemoryConnector
 from vllm_omni_kv.backends.shm import arena
 from vllm_omni_kv.backends.shm.connector import index_name
-from vllm_omni_kv.errors import KVPayloadError
+from vllm_omni_kv.errors import KVPayloadError, KVTransferError
 
 NOBODY = 65534
 
@@ -86,3 +87,46 @@ def test_a_sparse_giant_is_not_read(ns: str) -> None:
             f.truncate(1 << 30)  # 1 GiB, no pages behind it
         err = _open_within(rx, "giant")
         assert isinstance(err, KVPayloadError) and "bound" in str(err), err
+
+
+def _within(fn: Any, seconds: float = 10.0) -> Any:
+    """``fn()`` on another thread; its result or error (a hang fails the test)."""
+    got: list[Any] = []
+
+    def run() -> None:
+        try:
+            got.append(fn())
+        except BaseException as e:
+            got.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), "blocked on a planted file"
+    return got[0]
+
+
+@pytest.mark.parametrize("planted", ["fifo", "other user"])
+def test_a_file_planted_under_a_released_hold_blocks_nobody(ns: str, planted: str) -> None:
+    """A consumer released a hold; anyone may create a file under its name then (``/dev/shm``
+    is world-writable). The producer takes the hold back, revokes or expires it, and a
+    consumer that tries to read under it, without blocking or writing into that file."""
+    if planted == "other user" and os.geteuid() != 0:
+        pytest.skip("needs root to plant a file owned by another user")
+    with SharedMemoryConnector({"namespace": ns, "share_cache": True}) as tx:
+        region = tx.cache_region
+        assert region is not None
+        hold = region.hold("0", "1", "k")
+        region.release(hold)  # what a consumer does after its copy
+        path = Path(arena.path(hold))
+        if planted == "fifo":
+            os.mkfifo(path, 0o600)
+        else:
+            path.write_bytes(b"")
+            os.chown(path, NOBODY, NOBODY)
+        assert _within(lambda: region.revoke(hold)) is None
+        assert path.stat().st_size == 0  # nothing appended
+        err = _within(lambda: region.reading(hold).__enter__())
+        assert isinstance(err, KVTransferError) and "took back" in str(err), err
+        assert _within(lambda: region.take_back(hold)) is True
+        assert _within(lambda: region.expire_hold(hold)) is True

@@ -30,6 +30,7 @@ import fcntl
 import hashlib
 import mmap
 import os
+import stat
 import struct
 import threading
 import uuid
@@ -114,9 +115,8 @@ class HoldFiles:
     def revoke(self, hold: str, mark: bytes = REVOKED) -> None:
         """Append ``mark`` to the hold file: a reader copying under it checks the file
         after its copy and fails (the lock is advisory, so this never waits)."""
-        try:
-            fd = os.open(arena.path(hold), os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW)
-        except OSError:
+        fd = _open_hold(hold, os.O_WRONLY | os.O_APPEND)
+        if fd is None:
             return  # gone: released or taken back, nobody reads under it
         try:
             os.write(fd, mark)
@@ -134,10 +134,11 @@ class HoldFiles:
         return True
 
     def take_back(self, hold: str) -> bool:
-        try:
-            fd = os.open(arena.path(hold), os.O_RDONLY | os.O_NOFOLLOW)
-        except FileNotFoundError:
-            return self.released(hold)
+        fd = _open_hold(hold, os.O_RDONLY)
+        if fd is None:  # released (a file planted under its name since is not ours)
+            with self._lock:
+                self._mine.discard(hold)
+            return True
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -158,15 +159,14 @@ class HoldFiles:
     def reading(self, hold: Any) -> Iterator[None]:
         if not isinstance(hold, str) or not hold.startswith(arena.HOLD_PREFIX) or "/" in hold:
             raise KVPayloadError(f"shared-pages payload names no valid hold: {hold!r}")
-        try:
-            fd = os.open(arena.path(hold), os.O_RDONLY | os.O_NOFOLLOW)
-        except FileNotFoundError:
+        fd = _open_hold(hold, os.O_RDONLY)
+        if fd is None:
             raise KVTransferError(
                 "the producer already took back this payload's blocks (its lease ran out "
                 "before the copy began): the request is recomputed"
-            ) from None
+            )
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            fcntl.flock(fd, fcntl.LOCK_EX)  # a regular file of ours: held only briefly
             st = os.fstat(fd)
             if not st.st_nlink:
                 raise KVTransferError(
@@ -201,6 +201,21 @@ class HoldFiles:
             mine, self._mine = list(self._mine), set()
         for name in mine:
             arena.unlink_quiet(name)
+
+
+def _open_hold(hold: str, flags: int) -> int | None:
+    """``hold``'s file opened with ``flags``, or None where there is none of ours: absent,
+    or something else planted under its name (a FIFO, a link, another user's file), which
+    is never waited on (``O_NONBLOCK``) nor written."""
+    try:
+        fd = os.open(arena.path(hold), flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    st = os.fstat(fd)
+    if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+        return fd
+    os.close(fd)
+    return None
 
 
 def _revoked(mark: bytes) -> KVTransferError:
