@@ -177,10 +177,12 @@ class LoadRunner:
         """A full local prefix hit: tell the producer its payload is not needed (nothing moves)."""
         try:
             topo = self.topology(d.source_tp_size)
-            for key, from_rank in self.session.recv_keys(d.transfer_id, topo):
+            told = True  # until a rank's payload is absent or its producer silent: then
+            for key, from_rank in self.session.recv_keys(d.transfer_id, topo):  # no more
                 ep = sender_endpoint(d.remote_host, d.remote_port, from_rank)
                 try:  # the payload goes before its hold: a released hold means nothing left
-                    if self.session.discard(key, ep):
+                    told = told and self.session.discard(key, ep)
+                    if told:
                         logger.debug("request %s needs no load: released %s", d.req_id, key)
                 finally:
                     self.session.release_hold(key)
@@ -193,7 +195,8 @@ class LoadRunner:
             topo = self.topology(d.source_tp_size)
             for key, from_rank in self.session.recv_keys(d.transfer_id, topo):
                 ep = sender_endpoint(d.remote_host, d.remote_port, from_rank)
-                if self.session.extend(key, ep, self.cfg.send_ttl):
-                    logger.debug("request %s waits: extended the lease of %s", d.req_id, key)
+                if not self.session.extend(key, ep, self.cfg.send_ttl):
+                    break  # absent, or its producer silent: the other ranks' are too
+                logger.debug("request %s waits: extended the lease of %s", d.req_id, key)
         except Exception as e:  # best effort: without it the payload expires after send_ttl
             logger.debug("extending the payload lease of %s: %s", d.req_id, e)

@@ -18,7 +18,6 @@ Both are idempotent.
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -81,8 +80,7 @@ class WorkerSleep:
         if not self.asleep:
             return
         w = self.worker
-        with w._lock:  # loads that landed while asleep (past the wait) are lost too
-            w._outcomes = [self._lose(o) for o in w._outcomes]
+        w.inflight.relabel(self._lose)  # loads that landed while asleep (past the wait) too
         self._lost = set()
         region = w._region
         if region is not None:
@@ -107,16 +105,10 @@ class WorkerSleep:
         """Cancel the loads in flight and wait until they stopped; every outcome vLLM has
         not taken becomes a failure (its blocks are recomputed)."""
         w = self.worker
-        deadline = time.monotonic() + w.cfg.recv_timeout + LOAD_GRACE_S
-        with w._lock:
-            self._lost = set(w._inflight)
-            for _fut, cancel in w._inflight.values():
-                cancel.set()
-            while self._lost & set(w._inflight) and (left := deadline - time.monotonic()) > 0:
-                w._landed.wait(left)
-            stuck = self._lost & set(w._inflight)
-            self._lost |= {o.req_id for o in w._outcomes}
-            w._outcomes = [self._lose(o) for o in w._outcomes]
+        lost = w.inflight.cancel()
+        w.inflight.wait(lambda running: bool(lost & running), w.cfg.recv_timeout + LOAD_GRACE_S)
+        stuck = lost & w.inflight.running()
+        self._lost = lost | w.inflight.relabel(_as_lost)
         if stuck:
             logger.error(
                 "OmniKVConnector: loads of %s still run as the KV cache goes to sleep; they "
@@ -125,8 +117,11 @@ class WorkerSleep:
             )
 
     def _lose(self, out: Outcome) -> Outcome:
-        if out.req_id not in self._lost:
-            return out
-        return dataclasses.replace(
-            out, ok=False, cancelled=False, timed_out=False, refused=False, error=LOST
-        )
+        return _as_lost(out) if out.req_id in self._lost else out
+
+
+def _as_lost(out: Outcome) -> Outcome:
+    """``out`` as a load that sleep overtook."""
+    return dataclasses.replace(
+        out, ok=False, cancelled=False, timed_out=False, refused=False, error=LOST
+    )

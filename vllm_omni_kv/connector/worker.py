@@ -23,9 +23,7 @@ ends in ``finished_recving``; a failed one also reports its blocks from
 from __future__ import annotations
 
 import functools
-import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
@@ -37,14 +35,15 @@ from vllm_omni_kv.connector.compat import COMPAT_KEY, engine_compat
 from vllm_omni_kv.connector.config import OmniKVConfig
 from vllm_omni_kv.connector.engine_layout import EngineLayout, engine_layout
 from vllm_omni_kv.connector.handoff import ProducerHandoffs
+from vllm_omni_kv.connector.inflight import InflightLoads
 from vllm_omni_kv.connector.kv_groups import LayerGroups, group_layers
 from vllm_omni_kv.connector.loads import LoadRunner
 from vllm_omni_kv.connector.metadata import (
-    LoadSpec,
     OmniKVConnectorMetadata,
     OmniKVWorkerMetadata,
     SaveSpec,
 )
+from vllm_omni_kv.connector.notices import Notices
 from vllm_omni_kv.connector.outcome import Outcome as _Outcome
 from vllm_omni_kv.connector.outcome import report
 from vllm_omni_kv.connector.page_export import PageExport, export_pages
@@ -81,6 +80,8 @@ HOLD_WAIT_S = 0.02
 SHM_BACKENDS = frozenset({"SharedMemoryConnector", "CudaIpcConnector"})
 #: how often the payloads-held gauge asks the backend
 HELD_EVERY_S = 1.0
+#: how long shutdown waits for cancelled loads, before and after closing the backend
+SHUTDOWN_WAIT_S = 5.0
 
 
 class OmniKVWorker:
@@ -116,17 +117,10 @@ class OmniKVWorker:
         self.states: list[StateLayer] = []  # Mamba / GDN / short-conv layers (hybrid models)
         self.paged_blocks = False
         self.stats = OmniKVConnectorStats()
-        self._lock = threading.Lock()
-        self._landed = threading.Condition(self._lock)  # a load finished
         self._idle_step = False
         self._loads: LoadRunner | None = None  # consumer: set once the caches are registered
-        # load threads stay with the worker: they copy into its cache, and on spare cores
-        # they slowed the forward passes (measured with benchmarks/pd_bench.py)
-        self._pool = ThreadPoolExecutor(
-            max_workers=cfg.load_threads, thread_name_prefix="omnikv-recv"
-        )
-        self._inflight: dict[str, tuple[Future[_Outcome], threading.Event]] = {}
-        self._outcomes: list[_Outcome] = []
+        self.inflight = InflightLoads(cfg.load_threads)
+        self._notices = Notices()
         self._invalid_blocks, self._failed_recving = set[int](), set[str]()  # failed loads
         self._worker_meta: dict[str, dict[str, Any]] = {}
         # producer: every payload published, its lease and hold, until vLLM may free it
@@ -320,32 +314,19 @@ class OmniKVWorker:
         if meta is None or self._closed:
             return
         now = time.monotonic()
-        for d in meta.discards:
-            self._pool.submit(self._runner().discard, d)
+        for d in meta.discards:  # off the load threads: a silent producer delays no load
+            self._notices.submit("discard", d.req_id, functools.partial(self._runner().discard, d))
         for d in meta.extends:
-            self._pool.submit(self._runner().extend, d)
+            self._notices.submit("extend", d.req_id, functools.partial(self._runner().extend, d))
         if meta.withdraws and self._handoffs is not None:
             self._handoffs.withdraw(meta.withdraws)
         # the loads' writes run after what is queued on the forward stream now
         after = forward_mark(self.layers) if meta.loads else None
+        runner = self._runner() if meta.loads else None
         for spec in meta.loads:
-            cancel = threading.Event()
-            fut = self._pool.submit(
-                self._runner().load, spec, now + self.cfg.recv_timeout, cancel, after
-            )
-            with self._lock:
-                self._inflight[spec.req_id] = (fut, cancel)
-            fut.add_done_callback(functools.partial(self._done, spec))
-
-    def _done(self, spec: LoadSpec, fut: Future[_Outcome]) -> None:
-        try:
-            out = fut.result()
-        except BaseException as e:  # cancelled at shutdown, or a bug
-            out = self._runner().failed(spec, f"load aborted: {e!r}", 0.0)
-        with self._lock:
-            self._inflight.pop(spec.req_id, None)
-            self._outcomes.append(out)
-            self._landed.notify_all()
+            assert runner is not None
+            load = functools.partial(runner.load, spec, now + self.cfg.recv_timeout, after=after)
+            self.inflight.start(spec.req_id, load, functools.partial(runner.failed, spec, dt=0.0))
 
     def _runner(self) -> LoadRunner:
         if self._loads is None:
@@ -356,14 +337,6 @@ class OmniKVWorker:
         return self._loads
 
     # -- completion ----------------------------------------------------------------------
-    def _cancel_finished(self, finished_req_ids: set[str]) -> bool:
-        """Cancel the loads of requests vLLM finished (aborted); True when any was."""
-        hit = False
-        for req_id in finished_req_ids & set(self._inflight):
-            self._inflight[req_id][1].set()
-            hit = True
-        return hit
-
     def get_transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """``(finished_sending, finished_recving)``; failed loads' blocks are stashed.
 
@@ -374,19 +347,13 @@ class OmniKVWorker:
         the engine spin: the CPU goes to the loads, and requests loaded together are
         scheduled together, in one forward pass.
         """
-        with self._lock:
-            cancelled = self._cancel_finished(finished_req_ids)
-            if self._inflight and (self._idle_step or cancelled):
-                deadline = time.monotonic() + IDLE_WAIT_S
-
-                def pending() -> bool:  # idle: every load; else the cancelled ones
-                    if self._idle_step:
-                        return bool(self._inflight)
-                    return bool(finished_req_ids & set(self._inflight))
-
-                while pending() and (left := deadline - time.monotonic()) > 0:
-                    self._landed.wait(left)
-            outcomes, self._outcomes = self._outcomes, []
+        cancelled = self.inflight.cancel(finished_req_ids)  # aborted while loading
+        if self._idle_step or cancelled:  # idle: every load; else the cancelled ones
+            idle = self._idle_step
+            self.inflight.wait(
+                lambda running: bool(running if idle else cancelled & running), IDLE_WAIT_S
+            )
+        outcomes = self.inflight.take()
         sending: set[str] = set()
         if self._handoffs is not None:
             sending = self._handoffs.done(finished_req_ids, wait=HOLD_WAIT_S * self._idle_step)
@@ -435,15 +402,15 @@ class OmniKVWorker:
         self._closed = True
         if self._loads is not None:
             self._loads.stop.set()
-        with self._lock:
-            for _fut, cancel in self._inflight.values():
-                cancel.set()
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._notices.close()
+        self.inflight.stop(self._close_backend, SHUTDOWN_WAIT_S)
+
+    def _close_backend(self) -> None:
         if self._handoffs is not None:
             self._handoffs.close()
         if self._stager is not None:
             self._stager.close()
         try:
-            self.session.close()
+            self.session.close()  # ends the transfers a load may still wait on
         except Exception as e:
             logger.warning("closing backend %s: %s", self.cfg.backend_name, e)
