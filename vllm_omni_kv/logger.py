@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
+import time
 
 ROOT = "vllm_omni_kv"
 
@@ -36,3 +38,34 @@ def init_logger(name: str) -> logging.Logger:
         except Exception:  # pragma: no cover - partially initialised vLLM
             pass
     return logging.getLogger(name)
+
+
+class LogBudget:
+    """Lines of one kind that a peer or a client can cause at will (one per request): at
+    most ``burst`` at once, then ``rate`` per second; a line that follows lines held back
+    says how many."""
+
+    def __init__(self, logger: logging.Logger, rate: float = 1.0, burst: int = 20) -> None:
+        self.logger, self.rate, self.burst = logger, rate, burst
+        self._lock = threading.Lock()
+        self._tokens, self._at, self._held = float(burst), time.monotonic(), 0
+
+    def log(self, level: int, msg: str, *args: object) -> None:
+        with self._lock:
+            now = time.monotonic()
+            self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate)
+            self._at = now
+            if self._tokens < 1.0:
+                self._held += 1
+                return
+            self._tokens -= 1.0
+            held, self._held = self._held, 0
+        if held:
+            msg, args = msg + " (and %d more like it held back)", (*args, held)
+        self.logger.log(level, msg, *args)
+
+    def warning(self, msg: str, *args: object) -> None:
+        self.log(logging.WARNING, msg, *args)
+
+    def error(self, msg: str, *args: object) -> None:
+        self.log(logging.ERROR, msg, *args)

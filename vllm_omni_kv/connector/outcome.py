@@ -6,9 +6,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_omni_kv.connector.stats import OmniKVConnectorStats
-from vllm_omni_kv.logger import init_logger
+from vllm_omni_kv.logger import LogBudget, init_logger
 
 logger = init_logger(__name__)
+#: a failed load's line (a hostile producer or client can fail one per request)
+_failures = LogBudget(logger)
 
 
 @dataclass
@@ -70,7 +72,7 @@ def report(
             failed.add(out.req_id)
             out.block_ids = []
         invalid_blocks.update(out.block_ids)
-        logger.warning(
+        _failures.warning(
             "OmniKVConnector: KV load of request %s failed after %.2fs: %s; %s reported "
             "failed (kv_load_failure_policy decides: recompute or fail)",
             out.req_id,

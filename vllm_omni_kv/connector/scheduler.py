@@ -52,7 +52,7 @@ from vllm_omni_kv.connector.remote_params import (
     parse_remote_params,
 )
 from vllm_omni_kv.connector.state_layers import payload_tokens, state_backoff, truncate_for_save
-from vllm_omni_kv.logger import init_logger
+from vllm_omni_kv.logger import LogBudget, init_logger
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -63,6 +63,8 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = init_logger(__name__)
+#: lines any client's request can cause
+_per_request = LogBudget(logger)
 
 #: ``omni_kv_load`` of a request whose prompt was cached here: nothing was pulled
 LOCAL_HIT = {"ok": True, "tokens": 0, "bytes": 0, "seconds": 0.0, "error": "", "local_hit": True}
@@ -124,7 +126,7 @@ class OmniKVScheduler:
         try:
             remote = parse_remote_params(params, self.tp_size)
         except RemoteParamsError as e:
-            logger.warning(
+            _per_request.warning(
                 "request %s: kv_transfer_params with do_remote_prefill are invalid (%s); its "
                 "prompt is computed locally. Pass the kv_transfer_params the producer "
                 "returned unchanged.",
@@ -133,7 +135,7 @@ class OmniKVScheduler:
             )
             return None
         if not self.cfg.trusted_producers.allows(remote.host, remote.port):
-            logger.warning(
+            _per_request.warning(
                 "request %s: kv_transfer_params name producer %s:%s, which is not in "
                 "kv_connector_extra_config.trusted_producers; its prompt is computed locally",
                 request.request_id,

@@ -38,9 +38,11 @@ from vllm_omni_kv.backends.nixl.poster import Poster
 from vllm_omni_kv.backends.nixl.prepared_lists import LOCAL_SIDE, PreparedLists
 from vllm_omni_kv.backends.nixl.sinks import Sinks, TableSet
 from vllm_omni_kv.errors import KVTransferError
-from vllm_omni_kv.logger import init_logger
+from vllm_omni_kv.logger import LogBudget, init_logger
 
 logger = init_logger(__name__)
+#: failed writes (a sink can ask for writes that fail at the side channel's rate)
+_failed_writes = LogBudget(logger)
 
 MAX_RUNNING = 1024
 MAX_RUNNING_PER_SINK = 256
@@ -225,7 +227,7 @@ class Writer:
 
     def _tell_failed(self, sink: str, nonce: bytes, why: str) -> None:
         """Notify ``sink`` that its write ``nonce`` failed (``E`` + nonce)."""
-        logger.warning("a NIXL write to %s %s; the sink is told", sink, why)
+        _failed_writes.warning("a NIXL write to %s %s; the sink is told", sink, why)
         try:
             self._agent.send_notif(sink, b"E" + nonce)
         except Exception as e:

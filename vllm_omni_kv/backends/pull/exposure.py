@@ -28,10 +28,12 @@ from typing import Any
 
 from vllm_omni_kv.backends.pool import ManagedBuffer
 from vllm_omni_kv.errors import KVPayloadError
-from vllm_omni_kv.logger import init_logger
+from vllm_omni_kv.logger import LogBudget, init_logger
 from vllm_omni_kv.wire.prelude import PRELUDE_SIZE, read_prelude
 
 logger = init_logger(__name__)
+#: expired leases (a side-channel peer can take and drop 64 per block)
+_expired = LogBudget(logger)
 
 #: extra time a lease outlives the receiver's own transfer timeout
 LEASE_SLACK_S = 5.0
@@ -220,7 +222,7 @@ class ExposureTable:
             for e in list(self._by_token.values()):
                 for lease, deadline in list(e.leases.items()):
                     if now > deadline:
-                        logger.warning(
+                        _expired.warning(
                             "a pull lease on %r expired: its receiver never finished", e.key
                         )
                         self._drop_lease_locked(e, lease)

@@ -46,11 +46,12 @@ from vllm_omni_kv.backends.pull.side_channel import (
 from vllm_omni_kv.backends.pull.staging import sized, stage_in_pool
 from vllm_omni_kv.backends.stats import COMMON, Counters
 from vllm_omni_kv.errors import ConfigError, KVTransferError, KVTransferTimeout
-from vllm_omni_kv.logger import init_logger
+from vllm_omni_kv.logger import LogBudget, init_logger
 from vllm_omni_kv.wire.auth import auth_of
 from vllm_omni_kv.wire.stream import PayloadStream
 
 logger = init_logger(__name__)
+_per_peer = LogBudget(logger)  # lines a silent or hostile peer causes per request
 
 ROLES = ("sender", "receiver", "dual")
 
@@ -372,8 +373,7 @@ class PullTransferConnector(OmniConnectorBase):
         self._stats.add("timeouts")
         if self.raise_on_timeout:
             raise err
-        logger.error("%s; returning None", err)
-        return None
+        _per_peer.error("%s; returning None", err)
 
     def _release_remote(
         self, endpoint: str, key: str, token: str, lease: str | None, success: bool
@@ -382,7 +382,7 @@ class PullTransferConnector(OmniConnectorBase):
         try:
             reply = self._client.release(endpoint, key, token, lease, success)
         except KVTransferError as e:
-            logger.warning("could not confirm pull of %r with its sender: %s", key, e)
+            _per_peer.warning("could not confirm pull of %r with its sender: %s", key, e)
             return False
         return bool(reply.get("ok"))
 
