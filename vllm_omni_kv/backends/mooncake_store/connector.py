@@ -25,25 +25,34 @@ metadata server, to accept a TCP connection; 10).
 Master down at start: the connector refuses to start (``KVTransferError`` naming
 the master address) after ``connect_timeout_s`` instead of the store client's
 own ~90 s of retries, so the engine fails at start rather than recomputing
-every request. Master lost mid-run: puts and gets fail at once with
-``KVTransferError`` naming the master (the consumer keeps polling until its
-``recv_timeout``, then vLLM recomputes); ``health()`` reports "unhealthy" from
-the last store call and never blocks on the master. A restarted master is
-picked up by the store client (keys stored before the restart are gone).
+every request. Master lost mid-run (killed: ``RPC_FAIL``; paused or wedged: the
+call blocks for the store client's RPC timeout, ``MC_RPC_TIMEOUT_MS``, then
+``RPC_TIMEOUT``): from the first such call on, puts, gets, removes and
+``discard`` fail at once (puts and gets with ``KVTransferError`` naming the
+master; the consumer keeps polling until its ``recv_timeout``, then vLLM
+recomputes) until a background probe (:mod:`.probe`) gets an answer; keys whose
+cleanup was skipped meanwhile are removed then. ``health()`` reports
+"unhealthy" from the last store call and never blocks on the master. A
+restarted master is picked up by the store client (keys stored before the
+restart are gone).
 """
 
 from __future__ import annotations
 
 import ctypes
-import socket
 import threading
 import time
 import weakref
 from typing import Any, ClassVar
-from urllib.parse import urlsplit
 
 from vllm_omni_kv.backends.base import OmniConnectorBase
 from vllm_omni_kv.backends.keys import edge_key, is_request_key
+from vllm_omni_kv.backends.mooncake_store.probe import (
+    MASTER_DOWN,
+    OBJECT_NOT_FOUND,
+    MasterProbe,
+)
+from vllm_omni_kv.backends.mooncake_store.reach import check_reachable
 from vllm_omni_kv.backends.pool import ManagedBuffer, MemoryPool
 from vllm_omni_kv.backends.stats import COMMON, Counters
 from vllm_omni_kv.errors import BackendUnavailable, ConfigError, KVTransferError
@@ -68,38 +77,6 @@ def _import_store() -> Any:
             f"the Mooncake store is not importable ({e}); install it with: {INSTALL_HINT}"
         ) from e
     return store_mod
-
-
-#: Mooncake store error codes (mooncake-store ``ErrorCode``)
-OBJECT_NOT_FOUND = -704
-RPC_FAIL = -900
-#: the key a probe asks for while the master is unreachable (never stored)
-PROBE_KEY = "omnikv-master-probe"
-#: pause between two probes of an unreachable master
-PROBE_INTERVAL_S = 0.5
-
-
-def _connect_error(host: str, port: int, timeout_s: float) -> str | None:
-    """None once ``host:port`` accepts a TCP connection (retried for ``timeout_s``), else why."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            with socket.create_connection((host, port), timeout=max(0.1, min(1.0, timeout_s))):
-                return None
-        except OSError as e:
-            why = e.strerror or type(e).__name__
-        if time.monotonic() >= deadline:
-            return why
-        time.sleep(0.1)
-
-
-def _host_port(address: str) -> tuple[str, int] | None:
-    """``(host, port)`` of ``host:port`` or ``http://host:port/...``; None for other forms."""
-    netloc = urlsplit(address).netloc if "://" in address else address
-    host, sep, port = netloc.rpartition(":")
-    if not sep or not port.isdigit():
-        return None
-    return host.strip("[]"), int(port)
 
 
 def _as_frame(data: Any) -> codec.Frame:
@@ -145,7 +122,7 @@ class MooncakeStoreConnector(OmniConnectorBase):
         if cfg.get("replica_num") is not None:
             self.pin = store_mod.ReplicateConfig()
             self.pin.replica_num = int(cfg["replica_num"])
-        self._check_reachable()
+        check_reachable(self.master, self.metadata, self.connect_timeout_s)
         self.store: Any = store_mod.MooncakeDistributedStore()
         ret = self.store.setup(
             self.host,
@@ -174,84 +151,57 @@ class MooncakeStoreConnector(OmniConnectorBase):
         self._stats = Counters(*COMMON, "store_errors")
         #: the last failed store call (master unreachable...); "" once one succeeds
         self._last_error = ""
-        #: set while the master is unreachable: calls fail at once, a thread probes it
-        self._down = threading.Event()
-        self._prober: threading.Thread | None = None
+        #: set while the master is down: calls fail at once, a thread probes it
+        self._probe = MasterProbe(self._master_up)
+        self._down = self._probe.down
+        #: keys whose removal was skipped while the master was down (removed when it is up)
+        self._stale: set[str] = set()
         self._closed = False
-
-    def _check_reachable(self) -> None:
-        """``KVTransferError`` naming the address when the master (or an HTTP metadata server)
-        does not accept a connection within ``connect_timeout_s``."""
-        targets = [("master", self.master, _host_port(self.master))]
-        if self.metadata.startswith("http"):
-            targets.append(("metadata server", self.metadata, _host_port(self.metadata)))
-        for what, address, hp in targets:
-            if hp is None:
-                if what == "master":
-                    raise ConfigError(
-                        f"MooncakeStoreConnector: master must be 'host:port', got {address!r}"
-                    )
-                continue
-            why = _connect_error(hp[0], hp[1], self.connect_timeout_s)
-            if why is not None:
-                raise KVTransferError(
-                    f"the Mooncake {what} at {address} does not accept connections ({why}) "
-                    f"after {self.connect_timeout_s:g}s: start mooncake_master there "
-                    "(mooncake_master -enable_http_metadata_server=true) or point backend_extra "
-                    f"'{'master' if what == 'master' else 'metadata_server'}' at it; raise "
-                    "connect_timeout_s if it starts after the engines"
-                )
 
     def _store_failed(self, op: str, key: str, code: int) -> KVTransferError:
         """Record a failed store call; the error to raise (names the master on RPC failure)."""
         self._stats.add("store_errors")
-        if code == RPC_FAIL:
-            why = f"the Mooncake master at {self.master} is unreachable (RPC_FAIL {code})"
-            self._mark_down()
+        if code in MASTER_DOWN:
+            why = f"the Mooncake master at {self.master} is unreachable ({MASTER_DOWN[code]})"
+            self._mark_down(code)
         else:
             why = f"the Mooncake store answered code {code}"
         self._last_error = f"{op} {key!r}: {why}"
         return KVTransferError(f"Mooncake store {self._last_error}")
 
-    def _mark_down(self) -> None:
-        """The master stopped answering: until a probe reaches it again, store calls fail
+    def _mark_down(self, code: int) -> None:
+        """The master stopped answering: until the probe reaches it again, store calls fail
         at once instead of each blocking for the store client's RPC timeout (seconds,
-        on the engine's step for puts and cleanups)."""
-        with self._lock:
-            if self._down.is_set() or self._closed:
-                return
-            self._down.set()
-            self._prober = threading.Thread(
-                target=self._probe, name="omnikv-mooncake-probe", daemon=True
-            )
-            self._prober.start()
+        on the engine's step for puts and cleanups). Logged once per outage."""
+        if self._closed or not self._probe.mark_down(self.store, code):
+            return
         logger.warning(
-            "the Mooncake master at %s is unreachable: KV transfers fail (and vLLM recomputes) "
-            "until it answers again",
+            "the Mooncake master at %s is unreachable (%s): KV transfers fail (and vLLM "
+            "recomputes) until it answers again",
             self.master,
+            self._probe.reason,
         )
-
-    def _probe(self) -> None:
-        store = self.store
-        while not self._closed and store is not None:
-            if int(store.is_exist(PROBE_KEY)) != RPC_FAIL:
-                self._down.clear()
-                self._store_ok()
-                return
-            time.sleep(PROBE_INTERVAL_S)
 
     def _check_up(self, op: str, key: str) -> None:
         if self._down.is_set():
             self._stats.add("store_errors")
             raise KVTransferError(
                 f"Mooncake store {op} {key!r}: the Mooncake master at {self.master} is "
-                "unreachable (probing it in the background)"
+                f"unreachable ({self._probe.reason}; probing it in the background)"
             )
 
     def _store_ok(self) -> None:
         if self._last_error:
             logger.info("Mooncake store at %s answers again", self.master)
             self._last_error = ""
+
+    def _master_up(self) -> None:
+        """The probe got an answer: report it, remove the keys cleanups skipped meanwhile."""
+        self._store_ok()
+        with self._lock:
+            stale, self._stale = list(self._stale), set()
+        for k in stale:
+            self._remove(k)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -334,7 +284,12 @@ class MooncakeStoreConnector(OmniConnectorBase):
         """Remove ``key`` from the store without reading it; True when it was there."""
         self._check_open()
         bkey = edge_key(key, from_stage, to_stage)
-        if self._down.is_set() or self.store.is_exist(bkey) != 1:
+        if self._down.is_set():
+            return False
+        there = int(self.store.is_exist(bkey))
+        if there in MASTER_DOWN:
+            logger.warning("%s", self._store_failed("is_exist of", bkey, there))
+        if there != 1:
             return False
         self._remove(bkey)
         return True
@@ -347,7 +302,7 @@ class MooncakeStoreConnector(OmniConnectorBase):
         got = self.store.get_into(key, block.address, size)
         if got != size:
             block.release()
-            if got == RPC_FAIL:
+            if got in MASTER_DOWN:
                 raise self._store_failed("get_into of", key, got)
             if got < 0:
                 return None  # removed between get_size and get_into
@@ -357,13 +312,21 @@ class MooncakeStoreConnector(OmniConnectorBase):
         return ArrivedFrameStream(view)
 
     def _remove(self, key: str) -> None:
-        if self._down.is_set():
-            return  # kept in ``_keys``: removed by a later cleanup or close, if reachable
-        ret = self.store.remove(key, True)
-        if ret != 0 and self.store.is_exist(key) == 1:
-            logger.warning("Mooncake store remove of %r failed with code %d", key, ret)
+        """Remove ``key``; while the master is down, note it for removal once it is up."""
+        if self._closed:
+            return
+        if not self._down.is_set():
+            ret = int(self.store.remove(key, True))
+            if ret not in MASTER_DOWN:
+                if ret != 0 and self.store.is_exist(key) == 1:
+                    logger.warning("Mooncake store remove of %r failed with code %d", key, ret)
+                with self._lock:
+                    self._keys.discard(key)
+                return
+            logger.warning("%s", self._store_failed("remove of", key, ret))
         with self._lock:
-            self._keys.discard(key)
+            if key in self._keys:
+                self._stale.add(key)
 
     def cleanup(self, request_id: str) -> None:
         """Remove every key this connector put for ``request_id`` (any edge)."""
@@ -383,13 +346,27 @@ class MooncakeStoreConnector(OmniConnectorBase):
         if store is None:
             return
         with self._lock:
-            keys, self._keys = list(self._keys), set()
-            prober = self._prober
-        if prober is not None:
-            prober.join(PROBE_INTERVAL_S + 10)
-        if not self._down.is_set():  # each call would block for the RPC timeout otherwise
-            for k in keys:
-                store.remove(k, True)
+            keys, self._keys, self._stale = list(self._keys), set(), set()
+        if self._down.is_set():
+            keys = []  # each call would block for the RPC timeout
+
+        def finish() -> None:
+            self._close_store(store, keys)
+
+        handed = not self._probe.stop(finish)  # the probe closes it after its call
+        if not handed and not self._down.is_set():
+            finish()
+            return
+        if not handed:
+            threading.Thread(target=finish, name="omnikv-mooncake-close", daemon=True).start()
+        logger.info(
+            "the Mooncake master at %s is down: its client closes in the background", self.master
+        )
+
+    def _close_store(self, store: Any, keys: list[str]) -> None:
+        for k in keys:
+            if int(store.remove(k, True)) in MASTER_DOWN:
+                break  # the master stopped answering: so would the next calls
         if self._staging_ok:
             store.unregister_buffer(self._staging.base_ptr)
         store.close()
