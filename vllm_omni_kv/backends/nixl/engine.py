@@ -39,7 +39,13 @@ import numpy as np
 
 from vllm_omni_kv.backends.backoff import Backoff
 from vllm_omni_kv.backends.nixl.abandoned import Abandoned
-from vllm_omni_kv.backends.nixl.handshake import ask_metadata, load_peer, log_peer
+from vllm_omni_kv.backends.nixl.handshake import (
+    SessionLocks,
+    ask_metadata,
+    load_peer,
+    log_peer,
+    parse_session,
+)
 from vllm_omni_kv.backends.nixl.loader import PROGRESS_WAIT_US, import_nixl, make_agent
 from vllm_omni_kv.backends.nixl.memory import (
     Span,
@@ -67,17 +73,6 @@ MAX_PEERS = 256
 #: the most descriptors a prepared list may hold (its indices are int32)
 _MAX_INDEX = 2**31 - 1
 DIRECTIONS = ("auto", "read", "write")
-
-
-def parse_session(session: str) -> tuple[str, str]:
-    """``(agent name, side-channel endpoint)`` of a session ``agent@host:port``."""
-    name, sep, hostport = session.rpartition("@")
-    if not sep or not name or ":" not in hostport:
-        raise KVTransferError(
-            f"not a NIXL session: {session!r} (expected 'agent@host:port'); the sender "
-            "is not a nixl backend, or its put metadata was altered"
-        )
-    return name, f"tcp://{hostport}"
 
 
 class _Peer:
@@ -131,7 +126,7 @@ class NixlEngine:
         self._regs: dict[int, tuple[Any, Span]] = {}  # address -> (NIXL handle, range)
         self._peers: OrderedDict[str, _Peer] = OrderedDict()
         self._lock = threading.Lock()
-        self._session_locks: dict[str, threading.Lock] = {}
+        self._session_locks = SessionLocks()  # one handshake per peer at a time
         self._prepared = PreparedLists()
         self._client = SideChannelClient(handshake_timeout_s, auth=auth)
         self._closed = False
@@ -203,6 +198,7 @@ class NixlEngine:
         """The peer of ``session``, fetching and loading its metadata on first use (and
         again when the loaded one is ``stale``: loading an agent's metadata once more
         adds the memory it registered since)."""
+        parse_session(session)  # a session no handshake could use is listed nowhere
         with self._lock:
             if self._closed:
                 raise KVTransferError("the NIXL engine is closed; create a new connector")
@@ -210,19 +206,23 @@ class NixlEngine:
             if peer is not None and peer is not stale:
                 self._peers.move_to_end(session)
                 return peer
-            slock = self._session_locks.setdefault(session, threading.Lock())
-        with slock:  # one handshake per peer at a time; others wait for its result
-            with self._lock:
-                peer = self._peers.get(session)
-            if peer is not None and peer is not stale:
-                return peer
-            peer = self._fetch(session)
-            with self._lock:
-                self._peers[session] = peer
-                evicted = self._peers.popitem(last=False) if len(self._peers) > MAX_PEERS else None
-            if evicted is not None:
-                self._unload(evicted[1].name)
+        with self._session_locks.held(session):  # others wait for its result
+            return self._handshake_once(session, stale)
+
+    def _handshake_once(self, session: str, stale: _Peer | None) -> _Peer:
+        """Under the session's lock: the peer another thread loaded meanwhile, else fetch
+        and load it (the least recently used peer past :data:`MAX_PEERS` is unloaded)."""
+        with self._lock:
+            peer = self._peers.get(session)
+        if peer is not None and peer is not stale:
             return peer
+        peer = self._fetch(session)
+        with self._lock:
+            self._peers[session] = peer
+            evicted = self._peers.popitem(last=False) if len(self._peers) > MAX_PEERS else None
+        if evicted is not None:
+            self._unload(evicted[1].name)
+        return peer
 
     def _fetch(self, session: str) -> _Peer:
         name, endpoint = parse_session(session)
@@ -250,9 +250,6 @@ class NixlEngine:
         """Drop a peer (after a failed transfer); the next read handshakes again."""
         with self._lock:
             peer = self._peers.pop(session, None)
-            slock = self._session_locks.get(session)
-            if slock is not None and not slock.locked():
-                del self._session_locks[session]
         if peer is not None:
             self._unload(peer.name)
 

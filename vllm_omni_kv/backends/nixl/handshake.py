@@ -1,10 +1,12 @@
 """Loading a peer agent: its metadata over the side channel (op :data:`MD_OP`), checked,
-loaded into our agent, and what its transfers will cross put on record."""
+loaded into our agent, and what its transfers will cross put on record; a peer's session
+parsed (:func:`parse_session`) and its handshakes run one at a time (:class:`SessionLocks`)."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from vllm_omni_kv.backends.nixl.memory import (
@@ -13,6 +15,7 @@ from vllm_omni_kv.backends.nixl.memory import (
     producer_writes,
     who_posts,
 )
+from vllm_omni_kv.backends.pull.pull_stream import MAX_SESSION, is_session
 from vllm_omni_kv.backends.pull.side_channel import SideChannelClient
 from vllm_omni_kv.errors import KVTransferError, KVTransferTimeout
 from vllm_omni_kv.logger import init_logger
@@ -21,6 +24,53 @@ logger = init_logger(__name__)
 
 #: the side-channel op that returns an agent's metadata
 MD_OP = "nixl_md"
+
+
+def parse_session(session: str) -> tuple[str, str]:
+    """``(agent name, side-channel endpoint)`` of a session ``agent@host:port`` (at most
+    :data:`~vllm_omni_kv.backends.pull.pull_stream.MAX_SESSION` characters)."""
+    name, sep, hostport = session.rpartition("@") if is_session(session) else ("", "", "")
+    if not sep or not name or ":" not in hostport:
+        raise KVTransferError(
+            f"not a NIXL session: {session!r:.80} (expected 'agent@host:port', at most "
+            f"{MAX_SESSION} characters); the sender is not a nixl backend, or its put "
+            "metadata was altered"
+        )
+    return name, f"tcp://{hostport}"
+
+
+class _Entry:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.users = 0  # threads holding or waiting for ``lock``
+
+
+class SessionLocks:
+    """A lock per session, listed only while a thread holds or waits for it (a failed
+    handshake, or a peer unloaded since, leaves nothing behind)."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str, _Entry] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._locks)
+
+    @contextlib.contextmanager
+    def held(self, session: str) -> Iterator[None]:
+        """Hold ``session``'s lock (waiting for the thread holding it)."""
+        with self._lock:
+            entry = self._locks.setdefault(session, _Entry())
+            entry.users += 1
+        try:
+            with entry.lock:
+                yield
+        finally:
+            with self._lock:
+                entry.users -= 1
+                if not entry.users:
+                    del self._locks[session]
 
 
 def ask_metadata(

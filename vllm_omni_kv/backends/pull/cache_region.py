@@ -46,6 +46,7 @@ import mmap
 import os
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
@@ -55,6 +56,7 @@ from vllm_omni_kv.backends.cache_region import AllocateHostCache, CacheRegion, c
 from vllm_omni_kv.backends.keys import edge_key
 from vllm_omni_kv.backends.pull.page_pull import PagePull
 from vllm_omni_kv.backends.pull.pull import PullTransferConnector
+from vllm_omni_kv.backends.pull.pull_stream import is_session
 from vllm_omni_kv.backends.pull.puller import register_memory
 from vllm_omni_kv.errors import ConfigError, KVPayloadError, KVTransferError
 from vllm_omni_kv.kvcache.cache_layout import KVLayoutId, page_view
@@ -63,6 +65,10 @@ from vllm_omni_kv.kvcache.shared_pages import PageCopy, attach_layers, layer_geo
 from vllm_omni_kv.logger import init_logger
 
 logger = init_logger(__name__)
+
+#: producers whose newest generation a consumer remembers (least recently seen forgotten
+#: first; as many as NIXL keeps peers loaded)
+MAX_SEEN = 256
 
 
 class TECacheRegion(CacheRegion):
@@ -79,7 +85,8 @@ class TECacheRegion(CacheRegion):
         self._registered: int | None = None  # base address of ``tensor`` while registered
         #: everything registered here: address -> (bytes, device); unregistered at close
         self._spans: dict[int, tuple[int, torch.device]] = {}
-        self._seen: dict[str, int] = {}  # consumer: the newest generation of each producer
+        #: consumer: the newest generation of each producer, least recently seen first
+        self._seen: OrderedDict[str, int] = OrderedDict()
         self._holds: set[str] = set()  # producer: holds made and not yet known gone
         self._lock = threading.Lock()
 
@@ -317,14 +324,13 @@ class TECacheRegion(CacheRegion):
             descriptor.get("size"),
         )
         if (
-            not isinstance(session, str)
-            or not session
+            not is_session(session)
             or not isinstance(base, int)
             or not isinstance(size, int)
             or base <= 0
             or size <= 0
         ):
-            raise KVPayloadError(f"registered-cache payload: bad region {descriptor!r}")
+            raise KVPayloadError(f"registered-cache payload: bad region {descriptor!r:.200}")
         self._check_generation(session, descriptor)
         return session, base, size
 
@@ -337,6 +343,10 @@ class TECacheRegion(CacheRegion):
             got = descriptor.get("generation", 0)
             if isinstance(got, int) and got > seen:
                 self._seen[session] = got
+            if session in self._seen:
+                self._seen.move_to_end(session)
+                while len(self._seen) > MAX_SEEN:  # a forgotten producer: its next generation
+                    self._seen.popitem(last=False)  # seen counts as its newest
         check_generation(descriptor, max(seen, got) if isinstance(got, int) else seen)
         forget = getattr(self.conn.engine, "forget", None)
         if got != seen and forget is not None:

@@ -26,7 +26,7 @@ import ctypes
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 from vllm_omni_kv.backends.pool import ManagedBuffer
 from vllm_omni_kv.backends.pull.held_spans import HeldSpans
@@ -55,6 +55,10 @@ TAIL_PULL = 32 << 10
 #: one past the last byte a 64-bit address names
 ADDRESS_END = 1 << 64
 
+#: the longest engine session a peer may name: a NIXL ``omnikv-<16 hex>@host:port`` with
+#: a host name of 253 characters is 283, a Mooncake or Yuanrong ``host:port`` at most 259
+MAX_SESSION = 320
+
 #: frame bytes only a sender's ``acquire`` reply may carry (never a caller's metadata:
 #: ``kv_transfer_params`` come from clients)
 REPLY_ONLY = frozenset(("frame", "head", "tail_at", "tail"))
@@ -80,17 +84,23 @@ def edges_of(md: dict[str, Any], size: int) -> tuple[bytes, int, bytes] | None:
     return head, tail_at, tail
 
 
+def is_session(session: Any) -> TypeGuard[str]:
+    """Whether a peer's ``session`` is a non-empty string of at most :data:`MAX_SESSION`
+    characters."""
+    return type(session) is str and 0 < len(session) <= MAX_SESSION
+
+
 def block_of(md: dict[str, Any]) -> tuple[int, int]:
     """``(data_size, src_addr)`` of a sender's block: non-negative integers that name
-    64-bit addresses, at a named engine ``session`` (the sender's reply is not trusted),
-    else :class:`PullFailed`."""
+    64-bit addresses, at a named engine ``session`` (:func:`is_session`; the sender's reply
+    is not trusted), else :class:`PullFailed`."""
     size, src, session = md.get("data_size"), md.get("src_addr"), md.get("session")
     if type(size) is not int or type(src) is not int or size < 0 or src < 0:
         raise PullFailed(f"the sender named a block of {size!r} bytes at {src!r}: not a block")
     if src + size > ADDRESS_END:
         raise PullFailed(f"the sender named a block of {size} bytes at {src:#x}: past the end")
-    if type(session) is not str or not session:
-        raise PullFailed(f"the sender named engine session {session!r}: not a session")
+    if not is_session(session):
+        raise PullFailed(f"the sender named engine session {session!r:.80}: not a session")
     return size, src
 
 

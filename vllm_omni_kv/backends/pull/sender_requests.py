@@ -6,20 +6,28 @@ Leases are held per receiver thread: when a busy sender answers an acquire after
 receiver gave up waiting, the receiver's retry replaces that orphan lease instead of finding
 the key "exhausted" until the lease lapses. A thread names itself to a sender by the holder
 id that sender issued it (:mod:`.sender_ops`: asked for before the thread's first acquire
-there, renewed by every acquire reply).
+there, renewed by every acquire reply); a thread remembers the ids of at most
+:data:`MAX_HOLDERS` senders (the least recently used one is forgotten, and asked for again),
+and none longer than :data:`MAX_HOLDER_CHARS`.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from typing import Any
 
 from vllm_omni_kv.backends.pull.side_channel import SideChannelClient
 from vllm_omni_kv.errors import KVTransferError
 from vllm_omni_kv.wire.auth import AuthKey
 
-__all__ = ["SenderEndpoints", "SenderRequests"]
+__all__ = ["MAX_HOLDERS", "MAX_HOLDER_CHARS", "SenderEndpoints", "SenderRequests"]
+
+#: senders whose holder id one thread remembers (the least recently used one is forgotten)
+MAX_HOLDERS = 256
+#: the longest holder id kept (a sender issues 64 hex digits; a longer one is ignored)
+MAX_HOLDER_CHARS = 128
 
 
 class SenderEndpoints:
@@ -82,8 +90,10 @@ class SenderRequests:
         delay = 0.005
         # one thread's gets are sequential: naming this thread by its holder id lets the
         # sender replace a lease this thread abandoned when an earlier acquire timed out
-        holders: dict[str, str] = self._local.__dict__.setdefault("holders", {})
-        if endpoint not in holders:
+        holders: OrderedDict[str, str] = self._local.__dict__.setdefault("holders", OrderedDict())
+        if endpoint in holders:
+            holders.move_to_end(endpoint)
+        else:
             self._learn_holder(holders, endpoint, self._client.request(endpoint, {"op": "holder"}))
         msg: dict[str, Any] = {"op": "acquire", "key": key, "lease_s": lease_s}
         while True:
@@ -105,9 +115,13 @@ class SenderRequests:
             delay = min(delay * 2, 0.1)
 
     @staticmethod
-    def _learn_holder(holders: dict[str, str], endpoint: str, reply: dict[str, Any]) -> None:
-        if isinstance(reply.get("holder"), str):
-            holders[endpoint] = reply["holder"]
+    def _learn_holder(holders: OrderedDict[str, str], endpoint: str, reply: dict[str, Any]) -> None:
+        holder = reply.get("holder")
+        if isinstance(holder, str) and 0 < len(holder) <= MAX_HOLDER_CHARS:
+            holders[endpoint] = holder
+            holders.move_to_end(endpoint)
+            while len(holders) > MAX_HOLDERS:
+                holders.popitem(last=False)
 
     def release(
         self, endpoint: str, key: str, token: str, lease: str | None, success: bool
