@@ -42,7 +42,7 @@ from vllm_omni_kv.closing import Closing
 from vllm_omni_kv.errors import KVPayloadError, KVTransferCancelled, KVTransferError
 from vllm_omni_kv.wire.auth import AuthKey, check_keying, verify_chunk_tag, verify_head_mac
 from vllm_omni_kv.wire.digests import Run, Span, verify_chunk
-from vllm_omni_kv.wire.prelude import PACK_STEP
+from vllm_omni_kv.wire.prelude import PACK_STEP, read_prelude
 from vllm_omni_kv.wire.unpack import FrameInfo, authenticate_frame, materialize, parse
 
 #: ``load`` value meaning "every requested byte": compares above any frame offset
@@ -157,9 +157,9 @@ class CompleteStream(PayloadStream):
         if self._frame is None:
             super().authenticate(auth)
             return
-        if auth is None:
+        if auth is None:  # ``obj`` was decoded from the frame: its prelude says it all
             mv = memoryview(self._frame).cast("B")
-            check_keying(parse(mv, mv.nbytes, require_checksum=False).prelude.keyed, None)
+            check_keying(read_prelude(mv, mv.nbytes).keyed, None)
         else:
             authenticate_frame(self._frame, auth)
 

@@ -14,10 +14,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
 import torch
 
 from vllm_omni_kv.errors import KVPayloadError
+from vllm_omni_kv.wire import bounded
 from vllm_omni_kv.wire.auth import AuthKey, verify_chunk_tag, verify_head_mac
 from vllm_omni_kv.wire.device_frames import verify as verify_on_device
 from vllm_omni_kv.wire.digests import ChunkMap, Run, verify_chunks
@@ -39,6 +39,8 @@ EXT_TENSOR = 1
 EXT_BLOB = 2
 #: deepest nesting of lists/maps a frame header may hold (KV payloads use a handful)
 MAX_DEPTH = 64
+#: what validating one tensor or blob table entry allocates (measured: about 270 bytes)
+TABLE_ENTRY = 320
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -103,49 +105,29 @@ class FrameInfo:
 
 
 def parse(
-    head: memoryview, available: int, *, verify_head: bool = False, require_checksum: bool = True
+    head: memoryview,
+    available: int,
+    *,
+    verify_head: bool = False,
+    require_checksum: bool = True,
+    auth: AuthKey | None = None,
 ) -> FrameInfo:
     """Validate prelude and header (``head`` holds at least through the header).
 
     With ``verify_head`` the prelude checksum is compared over prelude, header and
     trailer, so ``head`` must then hold the trailer too; data chunks are not read. With
     ``verify_head`` and ``require_checksum`` a frame without chunk digests is refused.
+    With ``auth`` the frame must be keyed with it and its head MAC is checked before the
+    header is decoded (``head`` must hold the trailer). Decoding is bounded
+    (:mod:`.bounded`): a header that could take more than 16 MiB + 16 bytes per header
+    byte is refused before it is decoded.
     """
-    p = read_prelude(head, available)
-    if head.nbytes < PRELUDE_SIZE + p.header_len:
-        raise KVPayloadError("truncated frame: header extends past the available bytes")
-    if verify_head and p.alg == CHECKSUM_NONE and require_checksum:
-        raise KVPayloadError(
-            "frame carries no checksum (its producer packed it with checksum=False, e.g. "
-            "frame_checksum: false) and this reader requires chunk digests: pack it with "
-            "digests, or read it unverified (verify=False; a pull backend's consumer: "
-            "require_digests: false)"
-        )
-    if verify_head and p.alg != CHECKSUM_NONE:
-        if head.nbytes < p.total:
-            raise KVPayloadError("truncated frame: the digest trailer is not available")
-        check_head(head, p)
-    refs = 0
-
-    def count_refs(code: int, data: bytes) -> Any:
-        nonlocal refs
-        refs += 1
-        return _ext_hook(code, data)
-
-    try:
-        header = msgpack.unpackb(
-            head[PRELUDE_SIZE : PRELUDE_SIZE + p.header_len],
-            ext_hook=count_refs,
-            strict_map_key=False,
-            raw=False,
-        )
-    except KVPayloadError:
-        raise
-    except Exception as e:
-        raise KVPayloadError(f"frame header is not valid msgpack: {e}") from None
-    _check_depth(header)
+    p = _check_head(head, available, verify_head, require_checksum, auth)
+    raw = head[PRELUDE_SIZE : PRELUDE_SIZE + p.header_len]
+    header, refs, charged = _decode_header(raw)
     if not isinstance(header, dict) or not {"t", "b", "v", "c"} <= set(header):
         raise KVPayloadError("frame header lacks its 't', 'b', 'v' and 'c' fields")
+    _check_table_cost(raw, header, charged)
     tensors = check_tensor_table(header["t"], p.data_len, DTYPES)
     blobs = check_blob_table(header["b"], p.data_len)
     chunk_bytes = check_chunk_bytes(header["c"], MIN_CHUNK, MAX_CHUNK)
@@ -162,6 +144,77 @@ def parse(
             f"{chunks.count} chunks of {chunk_bytes} bytes"
         )
     return FrameInfo(p, header["v"], tensors, blobs, chunks, refs)
+
+
+def _check_head(
+    head: memoryview,
+    available: int,
+    verify_head: bool,
+    require_checksum: bool,
+    auth: AuthKey | None,
+) -> Prelude:
+    """The prelude, after the checks of :func:`parse` that read no header object."""
+    p = read_prelude(head, available)
+    if head.nbytes < PRELUDE_SIZE + p.header_len:
+        raise KVPayloadError("truncated frame: header extends past the available bytes")
+    if verify_head and p.alg == CHECKSUM_NONE and require_checksum:
+        raise KVPayloadError(
+            "frame carries no checksum (its producer packed it with checksum=False, e.g. "
+            "frame_checksum: false) and this reader requires chunk digests: pack it with "
+            "digests, or read it unverified (verify=False; a pull backend's consumer: "
+            "require_digests: false)"
+        )
+    if (verify_head and p.alg != CHECKSUM_NONE) or (auth is not None and p.keyed):
+        if head.nbytes < p.total:
+            raise KVPayloadError("truncated frame: the digest trailer is not available")
+        check_head(head, p)
+    if auth is not None:
+        verify_head_mac(head, p, auth)
+    return p
+
+
+def _decode_header(raw: memoryview) -> tuple[Any, int, int]:
+    """The header's tree (nesting checked), how many tensor/blob references it holds and
+    the charge it was decoded under (:func:`.bounded.unpack_charged`)."""
+    refs = 0
+
+    def count_refs(code: int, data: bytes) -> Any:
+        nonlocal refs
+        refs += 1
+        return _ext_hook(code, data)
+
+    try:
+        header, charged = bounded.unpack_charged(raw, ext_hook=count_refs)
+    except KVPayloadError:
+        raise
+    except bounded.UnpackLimitError as e:
+        raise KVPayloadError(
+            f"frame header refused: {e}; not a vllm-omni-kv payload (a producer that sends "
+            "large metadata of many tiny lists, maps or strings: send it as bytes or a tensor)"
+        ) from None
+    except Exception as e:
+        raise KVPayloadError(f"frame header is not valid msgpack: {e}") from None
+    _check_depth(header)
+    return header, refs, charged
+
+
+def _check_table_cost(raw: memoryview, header: dict[Any, Any], charged: int) -> None:
+    """Refuse tables whose validation (:data:`TABLE_ENTRY` bytes an entry) would take the
+    parse past :func:`.bounded.limit` of the header's size."""
+    entries = sum(len(header[k]) for k in ("t", "b") if isinstance(header[k], list))
+    need, cap = TABLE_ENTRY * entries, bounded.limit(raw.nbytes)
+    if charged + need > cap and bounded.FAST_RATE * raw.nbytes <= cap:
+        try:  # a small header was admitted at its worst case: count what it holds
+            charged = bounded.charge(bytes(raw), 1 << 62)
+        except ValueError:
+            pass
+    if charged + need > cap:
+        raise KVPayloadError(
+            f"frame header refused: its {entries} tensor and blob entries and its objects "
+            f"could take more than {cap} bytes ({bounded.LIMIT_BASE} + {bounded.LIMIT_RATE} "
+            "per header byte): not a vllm-omni-kv payload (a producer packs one tensor per "
+            "layer and cache)"
+        )
 
 
 def _check_depth(tree: Any) -> None:
@@ -231,11 +284,9 @@ def authenticate_frame(raw: Any, auth: AuthKey) -> FrameInfo:
     Raises :class:`KVPayloadError` for an unkeyed frame or any MAC that does not match.
     """
     mv = _as_bytes(raw)
-    info = parse(mv, mv.nbytes, verify_head=True, require_checksum=False)
-    p = info.prelude
-    verify_head_mac(mv, p, auth)
+    info = parse(mv, mv.nbytes, verify_head=True, require_checksum=False, auth=auth)
     for k, s, e in info.chunks.iter_bounds(0, info.chunks.count):
-        verify_chunk_tag(mv, p.tags_start, k, s, e, auth)
+        verify_chunk_tag(mv, info.prelude.tags_start, k, s, e, auth)
     return info
 
 
@@ -254,9 +305,10 @@ def decode(
     if isinstance(raw, torch.Tensor):
         return decode_tensor(raw, verify=verify, auth=auth, require_digests=require_digests)
     mv = _as_bytes(raw)
-    if auth is not None:
-        authenticate_frame(mv, auth)
-    info = parse(mv, mv.nbytes, verify_head=verify, require_checksum=require_digests)
+    if auth is not None:  # a keyed frame always has its digests and checksum
+        info = authenticate_frame(mv, auth)
+    else:
+        info = parse(mv, mv.nbytes, verify_head=verify, require_checksum=require_digests)
     if verify and info.has_digests:
         verify_chunks(mv, info.chunks, info.chunks.runs(None), info.prelude.alg)
     return materialize(mv, info)

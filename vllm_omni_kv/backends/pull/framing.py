@@ -5,6 +5,8 @@ envelope of one: :mod:`.envelope`). One connection carries one request at a time
 client sends a frame and reads the reply frame before it sends the next. A server
 refuses a request frame over :data:`MAX_REQUEST` bytes by closing the connection, before
 reading it; a client refuses a reply over :data:`MAX_MESSAGE` bytes the same way.
+Decoding is bounded (:mod:`vllm_omni_kv.wire.bounded`): a message that could take more
+than 4 MiB + 16 bytes per message byte of objects is refused before it is decoded.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 import msgpack
 
 from vllm_omni_kv.errors import KVTransferError
+from vllm_omni_kv.wire import bounded
 
 __all__ = ["LENGTH", "MAX_MESSAGE", "MAX_REQUEST", "frame", "pack", "split_endpoint", "unpack"]
 
@@ -37,8 +40,11 @@ def pack(msg: dict[str, Any]) -> bytes:
 
 
 def unpack(raw: bytes) -> dict[str, Any]:
+    """The map a message's bytes hold (``KVTransferError`` for anything else)."""
     try:
-        msg = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+        msg = bounded.unpackb(raw)
+    except bounded.UnpackLimitError as e:
+        raise KVTransferError(f"side-channel message refused: {e}") from None
     except Exception as e:
         raise KVTransferError(f"side-channel message is not valid msgpack: {e}") from None
     if not isinstance(msg, dict):

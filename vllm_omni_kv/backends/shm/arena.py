@@ -52,6 +52,7 @@ import os
 import stat
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -71,6 +72,7 @@ from vllm_omni_kv.backends.shm.liveness import (
 )
 from vllm_omni_kv.errors import KVPayloadError, KVTransferError
 from vllm_omni_kv.logger import init_logger
+from vllm_omni_kv.wire import bounded
 
 logger = init_logger(__name__)
 
@@ -96,6 +98,8 @@ IDX_PREFIX = PREFIX + "idx_"
 HOLD_PREFIX = PREFIX + "hold_"
 #: the largest index entry a reader accepts (inline frames: ``shm_threshold_bytes`` <= it)
 MAX_INDEX_BYTES = 16 << 20
+#: the largest segment reference (``b"R"``/``b"S"`` entry) decoded: a map of five fields
+MAX_REF_BYTES = 4096
 SLOT_WORDS = 8  # state, generation, progress, abandoned, owner, beat, pidns, reader: u64 each
 DATA_OFFSET = 64
 FREE, PUBLISHED, ONESHOT, STREAMING, ABORTED = 0, 1, 2, 3, 4
@@ -167,10 +171,21 @@ def file_kind(name: str) -> str:
     return "hold" if name.startswith(HOLD_PREFIX) else ""
 
 
+def ref_fields(entry: bytes) -> Any:
+    """The decoded body of a segment-reference entry; ``ValueError`` for one over
+    :data:`MAX_REF_BYTES` or not msgpack (decoded by :mod:`vllm_omni_kv.wire.bounded`)."""
+    if len(entry) - 1 > MAX_REF_BYTES:
+        raise ValueError(
+            f"segment reference of {len(entry) - 1} bytes: not one of ours (at most "
+            f"{MAX_REF_BYTES})"
+        )
+    return bounded.unpackb(entry[1:], strict_map_key=True)
+
+
 def entry_frame_bytes(entry: bytes) -> int:
     """The frame bytes the index entry ``entry`` publishes (inline, or in a segment)."""
     frame = inline_frame(entry)
-    return len(frame) if frame is not None else int(msgpack.unpackb(entry[1:])["size"])
+    return len(frame) if frame is not None else int(ref_fields(entry)["size"])
 
 
 def path(name: str) -> str:
@@ -325,7 +340,7 @@ def _owner_pid(name: str) -> int | None:
         if name.startswith(IDX_PREFIX) and ".tmp" not in name:
             entry = read_entry(name)
             if entry[:1] in (b"R", b"S"):
-                return int(msgpack.unpackb(entry[1:])["pid"])
+                return int(ref_fields(entry)["pid"])
             owner = inline_owner(entry)
             if owner is not None and in_our_namespace(owner[1]):
                 return owner[0]
@@ -365,7 +380,7 @@ def _orphaned(name: str, st: os.stat_result, stale_s: float) -> bool:
             owner = inline_owner(entry)  # gone with its producer; in another PID namespace
             alive = None if owner is None else local_verdict(owner[1], owner[0])
             return alive is False  # a pid means nothing: its producer withdraws it
-        ref = msgpack.unpackb(entry[1:])
+        ref = ref_fields(entry)
         seg = ref["seg"]
         if not isinstance(seg, str) or not seg.startswith(SEG_PREFIX) or "/" in seg:
             return False

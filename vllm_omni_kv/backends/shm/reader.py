@@ -26,7 +26,6 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
 import numpy as np
 
 from vllm_omni_kv.backends.shm import arena
@@ -127,13 +126,13 @@ class Ref:
 
 def parse_ref(entry: bytes) -> Ref | None:
     """The segment reference of an index entry; None for an inline entry."""
-    tag, body = entry[:1], entry[1:]
+    tag = entry[:1]
     if inline_frame(entry) is not None:
         return None
     if tag not in (b"R", b"S"):
         raise KVPayloadError(f"corrupt shared-memory index entry (tag {tag!r})")
     try:
-        r = msgpack.unpackb(body)
+        r = arena.ref_fields(entry)
         ref = Ref(r["seg"], r["gen"], r["size"], r["pooled"], r["pid"], tag == b"S")
     except Exception as e:
         raise KVPayloadError(f"corrupt shared-memory index entry: {e}") from None
