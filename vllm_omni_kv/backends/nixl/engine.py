@@ -38,9 +38,9 @@ from typing import Any
 import numpy as np
 
 from vllm_omni_kv.backends.backoff import Backoff
+from vllm_omni_kv.backends.keyed_locks import KeyedLocks
 from vllm_omni_kv.backends.nixl.abandoned import Abandoned
 from vllm_omni_kv.backends.nixl.handshake import (
-    SessionLocks,
     ask_metadata,
     load_peer,
     log_peer,
@@ -126,7 +126,7 @@ class NixlEngine:
         self._regs: dict[int, tuple[Any, Span]] = {}  # address -> (NIXL handle, range)
         self._peers: OrderedDict[str, _Peer] = OrderedDict()
         self._lock = threading.Lock()
-        self._session_locks = SessionLocks()  # one handshake per peer at a time
+        self._session_locks = KeyedLocks()  # one handshake per peer at a time
         self._prepared = PreparedLists()
         self._client = SideChannelClient(handshake_timeout_s, auth=auth)
         self._closed = False

@@ -1,12 +1,11 @@
 """Loading a peer agent: its metadata over the side channel (op :data:`MD_OP`), checked,
 loaded into our agent, and what its transfers will cross put on record; a peer's session
-parsed (:func:`parse_session`) and its handshakes run one at a time (:class:`SessionLocks`)."""
+parsed (:func:`parse_session`)."""
 
 from __future__ import annotations
 
 import contextlib
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from vllm_omni_kv.backends.nixl.memory import (
@@ -37,40 +36,6 @@ def parse_session(session: str) -> tuple[str, str]:
             "metadata was altered"
         )
     return name, f"tcp://{hostport}"
-
-
-class _Entry:
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.users = 0  # threads holding or waiting for ``lock``
-
-
-class SessionLocks:
-    """A lock per session, listed only while a thread holds or waits for it (a failed
-    handshake, or a peer unloaded since, leaves nothing behind)."""
-
-    def __init__(self) -> None:
-        self._locks: dict[str, _Entry] = {}
-        self._lock = threading.Lock()
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._locks)
-
-    @contextlib.contextmanager
-    def held(self, session: str) -> Iterator[None]:
-        """Hold ``session``'s lock (waiting for the thread holding it)."""
-        with self._lock:
-            entry = self._locks.setdefault(session, _Entry())
-            entry.users += 1
-        try:
-            with entry.lock:
-                yield
-        finally:
-            with self._lock:
-                entry.users -= 1
-                if not entry.users:
-                    del self._locks[session]
 
 
 def ask_metadata(

@@ -17,15 +17,14 @@ whose future keeps the memory the writes target until no write can land.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 from vllm_omni_kv.backends.backoff import Backoff
+from vllm_omni_kv.backends.keyed_locks import KeyedLocks
 from vllm_omni_kv.backends.nixl import write_wire as ww
 from vllm_omni_kv.backends.nixl.memory import Span
 from vllm_omni_kv.backends.nixl.wait_outs import WaitOuts
@@ -40,14 +39,6 @@ logger = init_logger(__name__)
 MAX_SENT_SETS = 256
 #: pause before a request the producer answered ``busy`` is sent again
 BUSY_RETRY_S = 0.002
-
-
-@dataclass
-class _Turn:
-    """One producer's proof lock and the threads holding or waiting for it."""
-
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    users: int = 0
 
 
 class Notices:
@@ -140,7 +131,7 @@ class WriteClient:
         self._lock = threading.Lock()
         #: one proof at a time per producer agent (each waits for that agent's challenge);
         #: proofs to other producers go on meanwhile
-        self._proving: dict[str, _Turn] = {}
+        self._proving = KeyedLocks()
         self._proven: dict[str, bytes] = {}  # endpoint -> our sink token there (its challenge)
         #: endpoint -> (our last proven token there, a challenge answered since): kept when
         #: ``_proven`` is forgotten, as a producer changes a sink's metadata only for a
@@ -179,25 +170,9 @@ class WriteClient:
         each proof replaces the token the other threads' writes carry)."""
         if stale is None and endpoint in self._proven:
             return
-        with self._proof_turn(peer):
+        with self._proving.held(peer):
             if self._proven.get(endpoint, stale) == stale:
                 self._prove_now(endpoint, peer)
-
-    @contextlib.contextmanager
-    def _proof_turn(self, peer: str) -> Iterator[None]:
-        """Hold ``peer``'s proof lock. A lock lives while a thread holds or waits for it
-        (counted), so the map holds only producers being proven to right now."""
-        with self._lock:
-            entry = self._proving.setdefault(peer, _Turn())
-            entry.users += 1
-        try:
-            with entry.lock:
-                yield
-        finally:
-            with self._lock:
-                entry.users -= 1
-                if not entry.users:
-                    del self._proving[peer]
 
     def _prove_now(self, endpoint: str, peer: str) -> None:
         md, spans = self._agent.get_agent_metadata(), self._spans()
