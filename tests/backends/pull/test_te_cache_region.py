@@ -250,32 +250,14 @@ def test_pages_are_pulled_from_the_registered_cache(producer: Producer, register
         c.close()
 
 
-def test_take_back_after_the_lease_ran_out_fails_the_copy(producer: Producer) -> None:
-    c = _consumer(producer, transfer_timeout_s=1.5)  # lease: 1.5 s + 0.5 s slack
-    try:
-        _buf, caches = _local_cache(c, True)
-        key = _key()
-        hold = producer.call(op="publish", key=key, blocks=SRC)["hold"]
-        stream = c.open_stream(FROM, TO, key)
-        assert stream is not None
-        with stream:
-            assert producer.call(op="take_back", hold=hold)["ok"] is False
-            time.sleep(2.5)  # the consumer stalls past its lease
-            assert producer.call(op="take_back", hold=hold)["ok"] is True
-            assert producer.call(op="released", hold=hold)["ok"] is True
-            with pytest.raises(KVTransferError, match="took back"):
-                _copy(c, stream, caches, list(range(len(SRC))))
-        # a late consumer finds nothing
-        assert c.open_stream(FROM, TO, key) is None
-    finally:
-        c.close()
-
-
-@pytest.mark.parametrize("op", ["revoke", "expire_hold"])
-def test_blocks_freed_under_a_live_lease_fail_the_copy(producer: Producer, op: str) -> None:
-    """vLLM gets the blocks back while a consumer's lease on them is still live (a
-    preemption, or a reader past the handoff's grace): the copy fails, never passes."""
-    c = _consumer(producer, transfer_timeout_s=60)  # the lease outlives the test
+@pytest.mark.parametrize("how", ["take_back", "revoke", "expire_hold"])
+def test_blocks_taken_back_during_a_copy_fail_it(producer: Producer, how: str) -> None:
+    """The producer takes the blocks back while a consumer copies them: once its lease ran
+    out (``take_back``), or under a live lease as vLLM gets them back (a preemption:
+    ``revoke``; a reader past the handoff's lease and grace: ``expire_hold``). The copy
+    fails, never passes, and a late consumer finds nothing."""
+    late = how == "take_back"
+    c = _consumer(producer, transfer_timeout_s=1.5 if late else 60)  # lease: + 0.5 s slack
     try:
         _buf, caches = _local_cache(c, True)
         key = _key()
@@ -284,7 +266,9 @@ def test_blocks_freed_under_a_live_lease_fail_the_copy(producer: Producer, op: s
         assert stream is not None
         with stream:
             assert producer.call(op="take_back", hold=hold)["ok"] is False  # the lease holds
-            assert producer.call(op=op, hold=hold)["ok"] is True
+            if late:
+                time.sleep(2.5)  # the consumer stalls past its lease
+            assert producer.call(op=how, hold=hold)["ok"] is True
             assert producer.call(op="released", hold=hold)["ok"] is True
             with pytest.raises(KVTransferError, match="took back"):
                 _copy(c, stream, caches, list(range(len(SRC))))

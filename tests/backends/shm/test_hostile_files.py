@@ -25,22 +25,28 @@ NOBODY = 65534
 NS_MAY_LEAVE_FILES = True
 
 
-def _open_within(conn: SharedMemoryConnector, key: str, seconds: float = 10.0) -> BaseException:
-    """``open_stream`` on another thread; the error it raised (a hang fails the test)."""
-    got: list[BaseException | object] = []
+def _within(fn: Any, seconds: float = 10.0) -> Any:
+    """``fn()`` on another thread; its result or error (a hang fails the test)."""
+    got: list[Any] = []
 
     def run() -> None:
         try:
-            got.append(conn.open_stream("0", "1", key))
+            got.append(fn())
         except BaseException as e:
             got.append(e)
 
     t = threading.Thread(target=run, daemon=True)
     t.start()
     t.join(seconds)
-    assert not t.is_alive(), "open_stream blocked on a planted file"
-    assert isinstance(got[0], BaseException), f"planted file accepted: {got[0]!r}"
+    assert not t.is_alive(), "blocked on a planted file"
     return got[0]
+
+
+def _open_within(conn: SharedMemoryConnector, key: str, seconds: float = 10.0) -> BaseException:
+    """``open_stream`` on another thread; the error it raised (a hang fails the test)."""
+    got = _within(lambda: conn.open_stream("0", "1", key), seconds)
+    assert isinstance(got, BaseException), f"planted file accepted: {got!r}"
+    return got
 
 
 def _plant(ns: str, key: str) -> Path:
@@ -87,23 +93,6 @@ def test_a_sparse_giant_is_not_read(ns: str) -> None:
             f.truncate(1 << 30)  # 1 GiB, no pages behind it
         err = _open_within(rx, "giant")
         assert isinstance(err, KVPayloadError) and "bound" in str(err), err
-
-
-def _within(fn: Any, seconds: float = 10.0) -> Any:
-    """``fn()`` on another thread; its result or error (a hang fails the test)."""
-    got: list[Any] = []
-
-    def run() -> None:
-        try:
-            got.append(fn())
-        except BaseException as e:
-            got.append(e)
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(seconds)
-    assert not t.is_alive(), "blocked on a planted file"
-    return got[0]
 
 
 @pytest.mark.parametrize("planted", ["fifo", "other user"])
