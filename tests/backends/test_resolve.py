@@ -148,3 +148,12 @@ def test_the_side_channel_waits_no_longer_than_its_timeout(dns: StalledDNS) -> N
     finally:
         client.close()
         server.close()
+
+
+def test_a_scoped_ipv6_literal_keeps_its_interface(dns: StalledDNS) -> None:
+    r = resolve.Resolver()
+    ((family, addr),) = r.addresses("fe80::1%lo", time.monotonic() + 1)
+    assert family == socket.AF_INET6 and addr[-1] == socket.if_nametoindex("lo")
+    with pytest.raises(KVTransferError, match="not usable here"):
+        r.addresses("fe80::1%no-such-interface", time.monotonic() + 1)
+    assert dns.calls == []

@@ -25,8 +25,8 @@ def test_a_silent_producers_notices_do_not_delay_loads() -> None:
     silent, sent = threading.Event(), threading.Event()
     notices, loads = Notices(), InflightLoads(1)
     try:
-        assert notices.submit("extend", "r0", lambda: silent.wait(10))
-        assert notices.submit("discard", "r1", sent.set)  # queued behind it
+        assert notices.submit("extend", "r0", "p", lambda: silent.wait(10))
+        assert notices.submit("discard", "r1", "q", sent.set)  # queued behind it
         loads.start("r2", lambda cancel: _outcome("r2"), lambda why: _outcome("r2", False, why))
         loads.wait(lambda running: bool(running), 5)
         assert [o.req_id for o in loads.take()] == ["r2"]
@@ -34,7 +34,7 @@ def test_a_silent_producers_notices_do_not_delay_loads() -> None:
     finally:
         silent.set()
         notices.close()
-        loads.stop(lambda: None, 5)
+        loads.stop(lambda: None, 5, 5)
 
 
 def test_notices_are_bounded_and_not_queued_twice(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -43,17 +43,20 @@ def test_notices_are_bounded_and_not_queued_twice(monkeypatch: pytest.MonkeyPatc
     ran: list[str] = []
     notices = Notices()
     try:
-        assert notices.submit("extend", "busy", lambda: silent.wait(10))
+        assert notices.submit("extend", "busy", "p", lambda: silent.wait(10))
         time.sleep(0.2)  # it runs: the queue is empty again
-        got = [notices.submit("extend", f"r{i}", lambda i=i: ran.append(f"r{i}")) for i in range(5)]
+        got = [
+            notices.submit("extend", f"r{i}", "q", lambda i=i: ran.append(f"r{i}"))
+            for i in range(5)
+        ]
         assert got == [True, True, True, False, False] and notices.dropped == 2
-        assert notices.submit("extend", "r0", lambda: ran.append("again")) is False  # waits
+        assert notices.submit("extend", "r0", "q", lambda: ran.append("again")) is False  # waits
         silent.set()
         deadline = time.monotonic() + 5
         while len(ran) < 3 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert ran == ["r0", "r1", "r2"]
-        assert notices.submit("extend", "r0", lambda: ran.append("r0 again")) is True
+        assert notices.submit("extend", "r0", "q", lambda: ran.append("r0 again")) is True
     finally:
         silent.set()
         notices.close()
@@ -62,11 +65,11 @@ def test_notices_are_bounded_and_not_queued_twice(monkeypatch: pytest.MonkeyPatc
 def test_closing_waits_for_no_silent_producer() -> None:
     silent = threading.Event()
     notices = Notices()
-    notices.submit("discard", "r", lambda: silent.wait(30))
+    notices.submit("discard", "r", "p", lambda: silent.wait(30))
     t0 = time.monotonic()
     notices.close()
     assert time.monotonic() - t0 < 1
-    assert notices.submit("discard", "r2", lambda: None) is False
+    assert notices.submit("discard", "r2", "p", lambda: None) is False
     silent.set()
 
 
@@ -82,7 +85,7 @@ def test_shutdown_ends_a_load_waiting_on_a_paused_producer() -> None:
 
     loads.start("r", stuck, lambda why: _outcome("r", False, why))
     t0 = time.monotonic()
-    loads.stop(transfers_end.set, 0.5)
+    loads.stop(transfers_end.set, 0.5, 5)
     assert time.monotonic() - t0 < 5
     assert loads.running() == set()
     assert [o.req_id for o in loads.take()] == ["r"]
@@ -107,4 +110,27 @@ def test_cancel_wait_and_relabel() -> None:
     assert loads.relabel(lambda o: _outcome(o.req_id, False, "lost")) == {"a"}
     assert [(o.req_id, o.ok, o.error) for o in loads.take()] == [("a", False, "lost")]
     assert loads.take() == []
-    loads.stop(lambda: None, 1)
+    loads.stop(lambda: None, 1, 1)
+
+
+def test_a_silent_producer_gets_no_notice_for_a_while(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A notice that took over SLOW_S (a paused producer) keeps that producer's next
+    notices off the thread for QUIET_S, so those to other producers go out at once."""
+    monkeypatch.setattr(notices_mod, "SLOW_S", 0.1)
+    monkeypatch.setattr(notices_mod, "QUIET_S", 60.0)
+    ran: list[str] = []
+    notices = Notices()
+    try:
+        slow = threading.Event()
+        assert notices.submit("extend", "r0", "paused", lambda: (time.sleep(0.3), slow.set()))
+        assert slow.wait(5)
+        time.sleep(0.1)  # the thread notes how long it took
+        assert notices.submit("discard", "r1", "paused", lambda: ran.append("paused")) is False
+        assert notices.dropped == 1
+        assert notices.submit("discard", "r2", "healthy", lambda: ran.append("healthy"))
+        deadline = time.monotonic() + 5
+        while not ran and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ran == ["healthy"]
+    finally:
+        notices.close()

@@ -46,7 +46,15 @@ def _literal(host: str) -> Address | None:
         return None
     if ip.version == 4:
         return socket.AF_INET, (host,)
-    return socket.AF_INET6, (host, 0, 0)
+    # numeric: no lookup; gives a scoped address's (``fe80::1%eth0``) interface index
+    try:
+        infos = socket.getaddrinfo(
+            host, None, socket.AF_INET6, socket.SOCK_STREAM, 0, socket.AI_NUMERICHOST
+        )
+    except (OSError, UnicodeError) as e:  # a scope naming no interface here
+        raise KVTransferError(f"peer address {host[:80]!r} is not usable here: {e}") from None
+    addr = infos[0][4]
+    return socket.AF_INET6, (addr[0], *addr[2:])
 
 
 def _check_name(host: str) -> None:

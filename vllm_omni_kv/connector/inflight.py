@@ -84,15 +84,21 @@ class InflightLoads:
             self._outcomes = [change(o) for o in self._outcomes]
             return {o.req_id for o in self._outcomes}
 
-    def stop(self, end_transfers: Callable[[], None], timeout: float) -> None:
-        """Cancel every load, wait up to ``timeout`` for them, run ``end_transfers`` (what
-        a load may still wait on: the backend's transfers), then wait up to ``timeout``
-        again. A load waiting on a paused producer never holds shutdown longer."""
+    def stop(self, end_transfers: Callable[[], None], wait_s: float, after_s: float) -> None:
+        """Cancel every load and wait up to ``wait_s`` for them (a load ends by its own
+        deadline); then run ``end_transfers`` (closing the backend, which ends what a load
+        may still wait on: a paused producer's transfers) and wait up to ``after_s`` more.
+        A load waiting on a paused producer never holds shutdown longer."""
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.cancel()
-        self._join(timeout)
+        if self._join(wait_s):
+            logger.warning(
+                "shutdown: %d loads still run after %gs; closing the backend under them",
+                len(self.running()),
+                wait_s,
+            )
         end_transfers()
-        if self._join(timeout):
+        if self._join(after_s):
             logger.warning("shutdown: %d loads still wait on their producers", len(self.running()))
 
     def _join(self, timeout: float) -> bool:

@@ -34,6 +34,9 @@ from vllm_omni_kv.transfer.session import TransferSession, sender_endpoint
 
 logger = init_logger(__name__)
 
+#: the most seconds one notice (a discard or an extension) spends on its ranks' producers
+NOTICE_BUDGET_S = 10.0
+
 
 class LoadRunner:
     """Runs the loads, discards and lease extensions of one consumer worker."""
@@ -177,12 +180,11 @@ class LoadRunner:
         """A full local prefix hit: tell the producer its payload is not needed (nothing moves)."""
         try:
             topo = self.topology(d.source_tp_size)
-            told = True  # until a rank's payload is absent or its producer silent: then
-            for key, from_rank in self.session.recv_keys(d.transfer_id, topo):  # no more
+            until = time.monotonic() + NOTICE_BUDGET_S
+            for key, from_rank in self.session.recv_keys(d.transfer_id, topo):
                 ep = sender_endpoint(d.remote_host, d.remote_port, from_rank)
                 try:  # the payload goes before its hold: a released hold means nothing left
-                    told = told and self.session.discard(key, ep)
-                    if told:
+                    if time.monotonic() < until and self.session.discard(key, ep):
                         logger.debug("request %s needs no load: released %s", d.req_id, key)
                 finally:
                     self.session.release_hold(key)
@@ -193,10 +195,12 @@ class LoadRunner:
         """A request waiting here for blocks: extend its payload's lease at the producer."""
         try:
             topo = self.topology(d.source_tp_size)
+            until = time.monotonic() + NOTICE_BUDGET_S
             for key, from_rank in self.session.recv_keys(d.transfer_id, topo):
                 ep = sender_endpoint(d.remote_host, d.remote_port, from_rank)
-                if not self.session.extend(key, ep, self.cfg.send_ttl):
-                    break  # absent, or its producer silent: the other ranks' are too
-                logger.debug("request %s waits: extended the lease of %s", d.req_id, key)
+                if time.monotonic() >= until:
+                    break  # its producers answer slowly: the rest expire by their leases
+                if self.session.extend(key, ep, self.cfg.send_ttl):
+                    logger.debug("request %s waits: extended the lease of %s", d.req_id, key)
         except Exception as e:  # best effort: without it the payload expires after send_ttl
             logger.debug("extending the payload lease of %s: %s", d.req_id, e)

@@ -80,7 +80,10 @@ HOLD_WAIT_S = 0.02
 SHM_BACKENDS = frozenset({"SharedMemoryConnector", "CudaIpcConnector"})
 #: how often the payloads-held gauge asks the backend
 HELD_EVERY_S = 1.0
-#: how long shutdown waits for cancelled loads, before and after closing the backend
+#: how long past ``recv_timeout`` shutdown waits for cancelled loads before it closes the
+#: backend under them (a load past its deadline waits on a paused producer's transfers)
+SHUTDOWN_GRACE_S = 30.0
+#: how long it waits for them once the backend is closed
 SHUTDOWN_WAIT_S = 5.0
 
 
@@ -313,19 +316,24 @@ class OmniKVWorker:
         self._idle_step = idle_step
         if meta is None or self._closed:
             return
-        now = time.monotonic()
-        for d in meta.discards:  # off the load threads: a silent producer delays no load
-            self._notices.submit("discard", d.req_id, functools.partial(self._runner().discard, d))
-        for d in meta.extends:
-            self._notices.submit("extend", d.req_id, functools.partial(self._runner().extend, d))
         if meta.withdraws and self._handoffs is not None:
             self._handoffs.withdraw(meta.withdraws)
+        if meta.loads or meta.discards or meta.extends:
+            self._receive(meta, self._runner())
+
+    def _receive(self, meta: OmniKVConnectorMetadata, runner: LoadRunner) -> None:
+        """Queue this step's notices to producers (off the load threads: a silent producer
+        delays no load) and start its loads."""
+        deadline = time.monotonic() + self.cfg.recv_timeout
+        for kind, ds, fn in (("discard", meta.discards, runner.discard),
+                             ("extend", meta.extends, runner.extend)):  # fmt: skip
+            for d in ds:
+                where = f"{d.remote_host}:{d.remote_port}"
+                self._notices.submit(kind, d.req_id, where, functools.partial(fn, d))
         # the loads' writes run after what is queued on the forward stream now
         after = forward_mark(self.layers) if meta.loads else None
-        runner = self._runner() if meta.loads else None
         for spec in meta.loads:
-            assert runner is not None
-            load = functools.partial(runner.load, spec, now + self.cfg.recv_timeout, after=after)
+            load = functools.partial(runner.load, spec, deadline, after=after)
             self.inflight.start(spec.req_id, load, functools.partial(runner.failed, spec, dt=0.0))
 
     def _runner(self) -> LoadRunner:
@@ -403,7 +411,9 @@ class OmniKVWorker:
         if self._loads is not None:
             self._loads.stop.set()
         self._notices.close()
-        self.inflight.stop(self._close_backend, SHUTDOWN_WAIT_S)
+        self.inflight.stop(
+            self._close_backend, self.cfg.recv_timeout + SHUTDOWN_GRACE_S, SHUTDOWN_WAIT_S
+        )
 
     def _close_backend(self) -> None:
         if self._handoffs is not None:

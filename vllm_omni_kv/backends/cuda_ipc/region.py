@@ -16,7 +16,7 @@ Consumer: opens the handle once per producer, on its own cache's device
 (:mod:`.mappings`, which also drops a dead producer's mapping), and copies the pages
 it lacks device to device (peer to peer between two GPUs), then synchronizes before it
 releases the hold. Holds and liveness are the shared-memory ones
-(:class:`~vllm_omni_kv.backends.shm.cache_region.HoldFiles`): a small heartbeat segment
+(:class:`~vllm_omni_kv.backends.shm.hold_files.HoldFiles`): a small heartbeat segment
 ``omnikv_seg_<pid>_<ns>_ipc<id>`` stands for the producer, so a dead producer's holds are
 swept and a consumer refuses a handle whose owner stopped beating.
 
@@ -40,7 +40,7 @@ import torch
 from vllm_omni_kv.backends.cache_region import CacheRegion, check_generation
 from vllm_omni_kv.backends.cuda_ipc.mappings import IpcMappings, Mapping, Opener, open_handle
 from vllm_omni_kv.backends.shm import arena
-from vllm_omni_kv.backends.shm.cache_region import HoldFiles
+from vllm_omni_kv.backends.shm.hold_files import HoldFiles
 from vllm_omni_kv.backends.shm.liveness import (
     W_BEAT,
     W_OWNER,

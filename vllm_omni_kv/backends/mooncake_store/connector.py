@@ -313,12 +313,13 @@ class MooncakeStoreConnector(OmniConnectorBase):
 
     def _remove(self, key: str) -> None:
         """Remove ``key``; while the master is down, note it for removal once it is up."""
-        if self._closed:
+        store = self.store
+        if self._closed or store is None:
             return
         if not self._down.is_set():
-            ret = int(self.store.remove(key, True))
+            ret = int(store.remove(key, True))
             if ret not in MASTER_DOWN:
-                if ret != 0 and self.store.is_exist(key) == 1:
+                if ret != 0 and store.is_exist(key) == 1:
                     logger.warning("Mooncake store remove of %r failed with code %d", key, ret)
                 with self._lock:
                     self._keys.discard(key)

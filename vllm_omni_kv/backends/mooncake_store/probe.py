@@ -62,19 +62,20 @@ class MasterProbe:
 
     def _run(self, store: Any) -> None:
         while self._enter():
-            code = int(store.is_exist(PROBE_KEY))
+            up = int(store.is_exist(PROBE_KEY)) >= 0  # the master answered
+            with self._lock:
+                up = up and not self._stopped
+                if up:
+                    self.down.clear()
+            if up:  # still inside the call window: ``stop`` hands its close to us
+                self._on_up()
             with self._lock:
                 self._in_call = False
                 finish, stopped = self._finish, self._stopped
-                if not stopped and code >= 0:  # the master answered
-                    self.down.clear()
             if finish is not None:
                 finish()
                 return
-            if stopped:
-                return
-            if code >= 0:
-                self._on_up()
+            if stopped or up:
                 return
             self._wake.wait(PROBE_INTERVAL_S)
 

@@ -1,4 +1,4 @@
-"""The producer's KV cache in a shared-memory file, and hold files on its blocks.
+"""The producer's KV cache in a shared-memory file, and consumers' mappings of it.
 
 Producer: vLLM allocates the KV cache as one ``torch.zeros(n, dtype=int8)`` on the
 host (``vllm.v1.worker.utils.allocate_kv_cache``); inside
@@ -10,32 +10,20 @@ be created (a small ``/dev/shm``), vLLM's own allocation runs and
 :attr:`~ShmCacheRegion.unavailable_reason` says why; where vLLM allocated the cache
 elsewhere, :meth:`~ShmCacheRegion.check_placement` raises ``ConfigError``.
 
-Holds (:class:`HoldFiles`, also used by the CUDA IPC region): one file per payload,
-``omnikv_hold_<ns>_<digest of edge and key>``, owner-only, naming the cache segment. A
-reader opens it, takes an exclusive ``flock``, checks it is still linked, copies, then
-unlinks it and closes (dropping the lock). The producer takes a hold back only when a
-non-blocking ``flock`` succeeds, and unlinks it under that lock, so it never takes back
-a hold a reader is copying under, and a reader never copies under a hold that was
-taken back. A reader that dies drops its lock with its process, in any PID namespace.
-A reader that stops (SIGSTOP) or hangs keeps its lock: once the payload's lease and its
-grace are over the producer takes the hold back anyway (:meth:`HoldFiles.expire_hold`),
-marking it first, so that the reader's copy fails when it resumes.
+Consumer: a payload names the segment; the consumer maps it (at most :data:`MAX_MAPS`
+producers' caches, least recently used out first) and copies pages under the payload's
+hold (:mod:`.hold_files`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import fcntl
-import hashlib
 import mmap
 import os
-import stat
 import struct
 import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -43,6 +31,7 @@ import torch
 
 from vllm_omni_kv.backends.cache_region import AllocateHostCache, CacheRegion, check_generation
 from vllm_omni_kv.backends.shm import arena
+from vllm_omni_kv.backends.shm.hold_files import HoldFiles
 from vllm_omni_kv.backends.shm.liveness import (
     W_BEAT,
     W_OWNER,
@@ -59,181 +48,12 @@ from vllm_omni_kv.logger import init_logger
 
 logger = init_logger(__name__)
 
-#: what a producer appends to a hold file whose blocks were freed (see HoldFiles.revoke)
-REVOKED = b"\0revoked"
-#: what it appends to a hold it took back from a reader past the lease and its grace
-EXPIRED = b"\0expired"
-#: what it appends to a hold whose cache vLLM's sleep mode discards (see HoldFiles.void_holds)
-SLEPT = b"\0asleep_"
 #: where the KV bytes start in a cache segment (one page after the slot header)
 KV_OFFSET = 4096
 _SLOT_HEAD = struct.Struct(f"<{arena.SLOT_WORDS}Q")
 #: producers' caches a consumer keeps mapped at most (one per producer rank it reads from;
 #: a mapping of a producer that is gone is dropped at the next new mapping)
-MAX_MAPS = 16
-
-
-class HoldFiles:
-    """Hold files of one namespace (see the module docstring)."""
-
-    def __init__(self, namespace: str) -> None:
-        self.tag = arena.namespace_tag(namespace)
-        self.owner_name = ""  # producer: the segment its holds name (for the sweeper)
-        self._mine: set[str] = set()
-        self._lock = threading.Lock()
-
-    def hold_name(self, from_stage: str, to_stage: str, key: str) -> str:
-        digest = hashlib.blake2b(f"{from_stage}\0{to_stage}\0{key}".encode(), digest_size=16)
-        return f"{arena.HOLD_PREFIX}{self.tag}_{digest.hexdigest()}"
-
-    def hold(self, from_stage: str, to_stage: str, key: str) -> str:
-        name = self.hold_name(from_stage, to_stage, key)
-        try:
-            fd = os.open(arena.path(name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:
-            raise KVTransferError(
-                f"a hold for key {key!r} on {from_stage}->{to_stage} already exists: use a "
-                "unique key per transfer"
-            ) from None
-        except OSError as e:
-            raise KVTransferError(f"cannot create hold file {name}: {e}") from e
-        try:
-            os.write(fd, self.owner_name.encode("ascii"))
-        finally:
-            os.close(fd)
-        with self._lock:
-            self._mine.add(name)
-        return name
-
-    def released(self, hold: str) -> bool:
-        if os.path.exists(arena.path(hold)):
-            return False
-        with self._lock:
-            self._mine.discard(hold)
-        return True
-
-    def revoke(self, hold: str, mark: bytes = REVOKED) -> None:
-        """Append ``mark`` to the hold file: a reader copying under it checks the file
-        after its copy and fails (the lock is advisory, so this never waits)."""
-        fd = _open_hold(hold, os.O_WRONLY | os.O_APPEND)
-        if fd is None:
-            return  # gone: released or taken back, nobody reads under it
-        try:
-            os.write(fd, mark)
-        finally:
-            os.close(fd)
-
-    def expire_hold(self, hold: str) -> bool:
-        """Take ``hold`` back although a reader may hold its lock (it kept it past the
-        lease and its grace): mark it :data:`EXPIRED`, then unlink it. The reader's copy,
-        whenever it ends, sees the mark and fails."""
-        self.revoke(hold, EXPIRED)
-        arena.unlink_quiet(hold)
-        with self._lock:
-            self._mine.discard(hold)
-        return True
-
-    def take_back(self, hold: str) -> bool:
-        fd = _open_hold(hold, os.O_RDONLY)
-        if fd is None:  # released (a file planted under its name since is not ours)
-            with self._lock:
-                self._mine.discard(hold)
-            return True
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            os.close(fd)
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                return False  # a reader is copying under it
-            raise
-        try:
-            if os.fstat(fd).st_nlink:
-                arena.unlink_quiet(hold)
-        finally:
-            os.close(fd)
-        with self._lock:
-            self._mine.discard(hold)
-        return True
-
-    @contextlib.contextmanager
-    def reading(self, hold: Any) -> Iterator[None]:
-        if not isinstance(hold, str) or not hold.startswith(arena.HOLD_PREFIX) or "/" in hold:
-            raise KVPayloadError(f"shared-pages payload names no valid hold: {hold!r}")
-        fd = _open_hold(hold, os.O_RDONLY)
-        if fd is None:
-            raise KVTransferError(
-                "the producer already took back this payload's blocks (its lease ran out "
-                "before the copy began): the request is recomputed"
-            )
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # a regular file of ours: held only briefly
-            st = os.fstat(fd)
-            if not st.st_nlink:
-                raise KVTransferError(
-                    "the producer took back this payload's blocks as the copy began (its "
-                    "lease ran out): the request is recomputed"
-                )
-            try:
-                yield
-                if os.fstat(fd).st_size != st.st_size:  # revoked while we copied
-                    raise _revoked(os.pread(fd, len(EXPIRED), st.st_size))
-            finally:
-                arena.unlink_quiet(hold)
-        finally:
-            os.close(fd)  # drops the lock
-
-    def release(self, hold: str) -> None:
-        if hold.startswith(arena.HOLD_PREFIX) and "/" not in hold:
-            arena.unlink_quiet(hold)
-
-    def void_holds(self) -> None:
-        """Producer: the cache is going away (vLLM's sleep): mark every hold of this
-        process :data:`SLEPT` and unlink it; a reader copying under one fails when its
-        copy ends, a reader yet to begin finds it gone."""
-        with self._lock:
-            mine, self._mine = list(self._mine), set()
-        for name in mine:
-            self.revoke(name, SLEPT)
-            arena.unlink_quiet(name)
-
-    def close_holds(self) -> None:
-        with self._lock:
-            mine, self._mine = list(self._mine), set()
-        for name in mine:
-            arena.unlink_quiet(name)
-
-
-def _open_hold(hold: str, flags: int) -> int | None:
-    """``hold``'s file opened with ``flags``, or None where there is none of ours: absent,
-    or something else planted under its name (a FIFO, a link, another user's file), which
-    is never waited on (``O_NONBLOCK``) nor written."""
-    try:
-        fd = os.open(arena.path(hold), flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return None
-    st = os.fstat(fd)
-    if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
-        return fd
-    os.close(fd)
-    return None
-
-
-def _revoked(mark: bytes) -> KVTransferError:
-    """Why a copy under a hold marked ``mark`` failed."""
-    if mark == SLEPT:
-        return KVTransferError(
-            "the producer's KV cache was put to sleep (vLLM sleep mode) while its blocks "
-            "were copied: the request is recomputed"
-        )
-    if mark == EXPIRED:
-        return KVTransferError(
-            "this copy outlived the payload's lease and its grace (hold_grace): the producer "
-            "took its blocks back (they may be reused); the request is recomputed"
-        )
-    return KVTransferError(
-        "the producer's request was preempted while its blocks were copied (they may be "
-        "reused): the request is recomputed"
-    )
+MAX_MAPS = 64
 
 
 class ShmCacheRegion(HoldFiles, CacheRegion):
