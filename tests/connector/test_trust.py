@@ -49,7 +49,14 @@ def test_trusted_producers_parse_and_match() -> None:
             TrustedProducers.parse(bad)
 
 
-def test_untrusted_endpoint_is_computed_locally(caplog: pytest.LogCaptureFixture) -> None:
+def test_untrusted_endpoint_is_computed_locally(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vllm_omni_kv.connector import scheduler
+    from vllm_omni_kv.logger import LogBudget
+
+    # a fresh budget: other tests in this process may have spent the module's refusal lines
+    monkeypatch.setattr(scheduler, "_per_request", LogBudget(scheduler.logger))
     sched = _consumer()
     assert sched.get_num_new_matched_tokens(_request("127.0.0.1"), 0) == (200, True)
     assert sched.get_num_new_matched_tokens(_request(None), 0) == (200, True)  # shared memory
