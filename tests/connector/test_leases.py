@@ -194,13 +194,14 @@ def test_leases_expired_is_a_counter_and_a_prometheus_metric() -> None:
     a, b = OmniKVConnectorStats(), OmniKVConnectorStats()
     a.record_leases_expired(2)
     b.record_leases_expired(1)
+    b.record_notices_dropped(4)
     agg = a.aggregate(b)
     assert isinstance(agg, OmniKVConnectorStats) and agg.reduce()["leases_expired"] == 3
+    assert agg.reduce()["notices_dropped"] == 4
     prom.observe(agg.data, engine_idx=0)
-    sample = reg.get_sample_value(
-        "vllm:omnikv_leases_expired_total", {"model_name": "m", "engine": "0"}
-    )
-    assert sample == 3
+    labels = {"model_name": "m", "engine": "0"}
+    assert reg.get_sample_value("vllm:omnikv_leases_expired_total", labels) == 3
+    assert reg.get_sample_value("vllm:omnikv_notices_dropped_total", labels) == 4
     assert not a.is_empty() and a.take() is not None and a.is_empty()
 
 

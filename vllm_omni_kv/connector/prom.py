@@ -30,6 +30,11 @@ _COUNTERS = {
         "Unconsumed payloads a producer withdrew because their lease (send_ttl, or a "
         "consumer's extension) ran out",
     ),
+    "notices_dropped": (
+        "vllm:omnikv_notices_dropped",
+        "Discards and lease extensions a consumer did not send (their producer answered "
+        "slowly or not at all, or too many waited); those payloads end by their leases",
+    ),
 }
 
 

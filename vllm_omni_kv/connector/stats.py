@@ -27,6 +27,7 @@ COUNTERS: tuple[str, ...] = (
     "num_recv_cancelled",
     "num_recv_refused",
     "leases_expired",
+    "notices_dropped",
 )
 #: per-load samples of one interval (for histograms), at most MAX_SAMPLES each
 SAMPLES: tuple[str, ...] = ("load_seconds", "load_bytes")
@@ -116,6 +117,10 @@ class OmniKVConnectorStats(KVConnectorStats):
     def record_leases_expired(self, n: int) -> None:
         """``n`` unconsumed payloads were withdrawn because their lease ran out."""
         self.data["leases_expired"] += int(n)
+
+    def record_notices_dropped(self, n: int) -> None:
+        """``n`` discards or lease extensions were not sent to their producers."""
+        self.data["notices_dropped"] += int(n)
 
     def set_held(self, payloads: int, nbytes: int = 0) -> None:
         # a change is reported even in an otherwise empty interval (a drop to 0 included)

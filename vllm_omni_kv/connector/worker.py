@@ -132,7 +132,7 @@ class OmniKVWorker:
             if self.is_producer
             else None
         )
-        self._expired_seen = 0
+        self._expired_seen = self._dropped_seen = 0
         self._closed = False
         self._held_checked = 0.0
         self._stager: DeviceStager | None = None  # CUDA caches: one staging buffer per device
@@ -402,6 +402,9 @@ class OmniKVWorker:
             total = self._handoffs.expired
             self.stats.record_leases_expired(total - self._expired_seen)
             self._expired_seen = total
+        dropped = self._notices.dropped
+        self.stats.record_notices_dropped(dropped - self._dropped_seen)
+        self._dropped_seen = dropped
         return self.stats.take()
 
     def shutdown(self) -> None:
