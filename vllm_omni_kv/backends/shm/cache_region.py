@@ -193,8 +193,9 @@ class ShmCacheRegion(HoldFiles, CacheRegion):
             arena.exported(mm), dtype=torch.uint8, count=size - KV_OFFSET, offset=KV_OFFSET
         )
         with self._maps_lock:
-            old = [v[1] for v in (self._maps.pop(name, None),) if v is not None]
+            raced = self._maps.pop(name, None)  # another load mapped it meanwhile
             self._maps[name] = (owner, mm, view)
+            old = [] if raced is None else [raced[1]]
             while len(self._maps) > MAX_MAPS:  # the least recently used goes
                 old.append(self._maps.popitem(last=False)[1][1])
         for dropped in old:
